@@ -1,0 +1,117 @@
+"""Lowering: a location-agnostic Program -> one Fragment template per island.
+
+A fragment lists its island's ops in order: computations, the sends and
+receives of every value crossing islands, local reshards, and frees placed
+right after each intermediate's last use. Ops name values by *slot*; each
+call supplies the ids (inputs, plus a fresh block minted by the client), so
+one encoded template serves every call until the slice placement changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pathways import wire
+from pathways.program import Compute, Program, Transfer, Value
+from pathways.sharding import plan_transfer, spec_to_wire
+
+
+@dataclass(frozen=True)
+class Fragment:
+    """One island's share of a program: encoded ops plus the executables they call."""
+
+    island: int
+    template: bytes
+    exes: dict[str, bytes]
+    ops: list[dict]
+
+
+@dataclass(frozen=True)
+class Lowered:
+    n_inputs: int
+    n_values: int
+    fragments: dict[int, Fragment]
+    placement: tuple
+
+
+def placement_of(program: Program) -> tuple:
+    """What lowering depends on: every slice's island and devices."""
+    slices = {v.slice.key: v.slice for v in program.values}
+    return tuple(sorted((k, s.island, s.devices) for k, s in slices.items()))
+
+
+def _same_host(a: Value, b: Value) -> bool:
+    hosts = {h for h, _ in a.slice.devices} | {h for h, _ in b.slice.devices}
+    return a.slice.island == b.slice.island and len(hosts) == 1
+
+
+def lower(program: Program, exes: dict[str, bytes]) -> Lowered:
+    ops: dict[int, list[dict]] = {}
+    slices: dict[int, dict[str, dict]] = {}
+    used_exes: dict[int, dict[str, bytes]] = {}
+
+    def emit(island: int, op: dict, *values: Value) -> None:
+        ops.setdefault(island, []).append(op)
+        for v in values:
+            slices.setdefault(island, {})[v.slice.key] = v.slice.desc()
+
+    for node in program.nodes:
+        if isinstance(node, Compute):
+            island = node.slice.island
+            emit(island, {"op": "exec", "exe": node.exe, "slice": node.slice.key, "name": node.name,
+                          "in": [v.slot for v in node.inputs], "out": [v.slot for v in node.outputs],
+                          "in_specs": [spec_to_wire(s) for s in node.in_specs],
+                          "out_specs": [spec_to_wire(s) for s in node.out_specs]}, *node.outputs)
+            used_exes.setdefault(island, {})[node.exe] = exes[node.exe]
+        elif isinstance(node, Transfer):
+            src, dst = node.source, node.target
+            if _same_host(src, dst):
+                emit(dst.slice.island, {"op": "reshard", "in": src.slot, "out": dst.slot, "slice": dst.slice.key,
+                                        "spec": spec_to_wire(dst.spec)}, dst)
+                continue
+            routes, expect = plan_transfer(src.shape, src.slice.desc(), src.spec, dst.slice.desc(), dst.spec)
+            emit(src.slice.island, {"op": "send", "in": src.slot, "key": dst.slot, "island": dst.slice.island,
+                                    "routes": routes})
+            emit(dst.slice.island, {"op": "recv", "out": dst.slot, "slice": dst.slice.key,
+                                    "spec": spec_to_wire(dst.spec), "src": src.slice.island, "expect": expect,
+                                    "aval": {"shape": list(dst.shape), "dtype": dst.dtype.name}}, dst)
+    n_inputs = len(program.inputs)
+    keep = {v.slot for v in program.outputs} | set(range(n_inputs))
+    fragments = {}
+    for island, island_ops in ops.items():
+        island_ops = _with_frees(island_ops, keep)
+        template = wire.encode("template", {"program": program.name, "n_inputs": n_inputs,
+                                            "slices": slices.get(island, {}), "ops": island_ops})
+        fragments[island] = Fragment(island, template, used_exes.get(island, {}), island_ops)
+    return Lowered(n_inputs, len(program.values), fragments, placement_of(program))
+
+
+def _reads(op: dict) -> list[int]:
+    if op["op"] == "exec":
+        return op["in"]
+    if op["op"] in ("send", "reshard"):
+        return [op["in"]]
+    return []
+
+
+def _writes(op: dict) -> list[int]:
+    out = op.get("out", [])
+    return out if isinstance(out, list) else [out]
+
+
+def _with_frees(ops: list[dict], keep: set[int]) -> list[dict]:
+    """Insert a free after the last op that touches each intermediate value on this island."""
+    last: dict[int, int] = {}
+    for i, op in enumerate(ops):
+        for slot in _reads(op) + _writes(op):
+            if slot not in keep:
+                last[slot] = i
+    after: dict[int, list[int]] = {}
+    for slot, i in last.items():
+        after.setdefault(i, []).append(slot)
+    out = []
+    for i, op in enumerate(ops):
+        out.append(op)
+        if i in after:
+            out.append({"op": "free", "slots": sorted(after[i])})
+    return out

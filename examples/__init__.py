@@ -1,0 +1,1 @@
+"""Example workloads that run on the Pathways-style runtime."""

@@ -1,0 +1,124 @@
+"""The dataflow graph a ``@pw.program`` traces to: values, computations and transfers.
+
+The graph is location-agnostic: it names virtual slices, not hosts. Lowering
+(client/lowering.py) turns it into one Fragment per island.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+
+@dataclass(frozen=True)
+class Value:
+    """One array flowing through the graph. ``slot`` is its position in the program."""
+
+    slot: int
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    slice: Any  # client.slices.VirtualSlice
+    spec: P
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+    def describe(self) -> str:
+        return f"{np.dtype(self.dtype).name}{list(self.shape)}"
+
+
+@dataclass(frozen=True)
+class Compute:
+    """A call of a compiled function (StableHLO) on one virtual slice."""
+
+    name: str
+    exe: str  # content hash of the serialized StableHLO
+    slice: Any
+    inputs: tuple[Value, ...]
+    outputs: tuple[Value, ...]
+    in_specs: tuple[P, ...]
+    out_specs: tuple[P, ...]
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """A value moved to another slice (and resharded to the consumer's spec)."""
+
+    source: Value
+    target: Value
+
+    @property
+    def name(self) -> str:
+        return f"transfer {self.source.describe()}"
+
+    @property
+    def inputs(self) -> tuple[Value, ...]:
+        return (self.source,)
+
+    @property
+    def outputs(self) -> tuple[Value, ...]:
+        return (self.target,)
+
+
+Node = Compute | Transfer
+
+
+@dataclass
+class Program:
+    """A traced program: its inputs, nodes in execution order, and outputs."""
+
+    name: str
+    inputs: list[Value] = field(default_factory=list)
+    nodes: list[Node] = field(default_factory=list)
+    outputs: list[Value] = field(default_factory=list)
+    out_tree: Any = None
+
+    @property
+    def values(self) -> list[Value]:
+        produced = [v for n in self.nodes for v in n.outputs]
+        return self.inputs + produced
+
+    @property
+    def edges(self) -> list[tuple[int, int, Value]]:
+        """(producer node index, consumer node index, value); inputs come from index -1."""
+        producer = {v.slot: i for i, n in enumerate(self.nodes) for v in n.outputs}
+        return [(producer.get(v.slot, -1), j, v) for j, n in enumerate(self.nodes) for v in n.inputs]
+
+    @property
+    def islands(self) -> frozenset[int]:
+        return frozenset(v.slice.island for v in self.values)
+
+    def to_dot(self) -> str:
+        """Graphviz text: nodes coloured by island, transfers labelled with their bytes."""
+        palette = ["#8ecae6", "#ffb703", "#90be6d", "#f28482", "#cdb4db", "#f6bd60"]
+        lines = [f'digraph "{self.name}" {{', "  rankdir=LR;", '  node [style=filled, fontname="Helvetica"];']
+        for v in self.inputs:
+            lines.append(f'  in{v.slot} [label="input {v.describe()}", shape=plaintext, style=""];')
+        for i, n in enumerate(self.nodes):
+            if isinstance(n, Transfer):
+                label = (f"{n.name}\\nisland {n.source.slice.island} -> {n.target.slice.island}"
+                         f"\\n{n.source.nbytes} bytes")
+                lines.append(f'  n{i} [label="{label}", shape=cds, fillcolor="#dddddd"];')
+            else:
+                color = palette[n.slice.island % len(palette)]
+                label = f"{n.name}\\nisland {n.slice.island} {n.slice.shape}"
+                lines.append(f'  n{i} [label="{label}", shape=box, fillcolor="{color}"];')
+        for src, dst, v in self.edges:
+            head = f"in{v.slot}" if src < 0 else f"n{src}"
+            lines.append(f'  {head} -> n{dst} [label="{v.describe()}"];')
+        producer = {v.slot: i for i, n in enumerate(self.nodes) for v in n.outputs}
+        for k, v in enumerate(self.outputs):
+            lines.append(f'  out{k} [label="output {k}", shape=plaintext, style=""];')
+            head = f"n{producer[v.slot]}" if v.slot in producer else f"in{v.slot}"
+            lines.append(f"  {head} -> out{k};")
+        lines.append("}")
+        return "\n".join(lines) + "\n"
+
+    def __repr__(self) -> str:
+        kinds = sum(isinstance(n, Compute) for n in self.nodes)
+        return (f"Program({self.name!r}: {len(self.inputs)} inputs, {kinds} computations, "
+                f"{len(self.nodes) - kinds} transfers, {len(self.outputs)} outputs, islands {sorted(self.islands)})")

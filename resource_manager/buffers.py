@@ -1,0 +1,114 @@
+"""A host's buffer table: client-minted ids -> resident arrays (or the error that replaced them).
+
+Deletes wait for pending readers: a free that arrives while an earlier
+fragment still needs the buffer marks it doomed, and the last reader drops it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from pathways.errors import TenantAccessError
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Stands in for a buffer whose producer failed; readers re-raise it."""
+
+    kind: str
+    message: str
+
+
+@dataclass
+class Entry:
+    tenant: str
+    value: Any  # jax.Array | Failure
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if isinstance(self.value, Failure) else int(self.value.nbytes)
+
+
+class BufferTable:
+    def __init__(self, cond: threading.Condition) -> None:
+        self._cond = cond
+        self._entries: dict[int, Entry] = {}
+        self._uses: Counter[int] = Counter()
+        self._doomed: set[int] = set()
+
+    def put(self, buffer_id: int, tenant: str, value: Any) -> None:
+        with self._cond:
+            self._entries[buffer_id] = Entry(tenant, value)
+            self._cond.notify_all()
+
+    def lookup(self, buffer_id: int, tenant: str) -> Entry | None:
+        """The entry if it exists; refuses another tenant's buffer without revealing it."""
+        entry = self._entries.get(buffer_id)
+        if entry is not None and entry.tenant != tenant:
+            raise TenantAccessError(
+                f"buffer {buffer_id} is not owned by tenant {tenant!r}; a program may only read its own buffers")
+        return entry
+
+    def wait(self, buffer_id: int, tenant: str, timeout: float) -> Entry | None:
+        with self._cond:
+            self._cond.wait_for(lambda: buffer_id in self._entries, timeout=timeout)
+            return self.lookup(buffer_id, tenant)
+
+    def add_uses(self, ids: list[int]) -> None:
+        self._uses.update(ids)
+
+    def done_using(self, ids: list[int]) -> None:
+        for i in ids:
+            self._uses[i] -= 1
+            if self._uses[i] <= 0:
+                del self._uses[i]
+                if i in self._doomed:
+                    self._doomed.discard(i)
+                    self._entries.pop(i, None)
+
+    def free(self, ids: list[int], tenant: str) -> None:
+        with self._cond:
+            for i in ids:
+                entry = self._entries.get(i)
+                if entry is not None and entry.tenant != tenant:
+                    continue  # never touch another tenant's buffer, and say nothing about it
+                if self._uses.get(i, 0) > 0:
+                    self._doomed.add(i)
+                else:
+                    self._entries.pop(i, None)
+
+    def free_client(self, client: int, tenant: str, id_bits: int) -> None:
+        """Free every buffer minted by one client (its ids share a prefix), e.g. at its shutdown."""
+        with self._cond:
+            ids = [i for i, e in self._entries.items() if i >> id_bits == client and e.tenant == tenant]
+        self.free(ids, tenant)
+
+    def free_tenant(self, tenant: str) -> int:
+        with self._cond:
+            ids = [i for i, e in self._entries.items() if e.tenant == tenant]
+            for i in ids:
+                del self._entries[i]
+            return len(ids)
+
+    def clear(self) -> None:
+        with self._cond:
+            self._entries.clear()
+            self._doomed.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in list(self._entries.values()))
+
+    def by_tenant(self) -> dict[str, tuple[int, int]]:
+        out: dict[str, list[int]] = {}
+        for e in list(self._entries.values()):
+            agg = out.setdefault(e.tenant, [0, 0])
+            agg[0] += 1
+            agg[1] += e.nbytes
+        return {t: (n, b) for t, (n, b) in out.items()}

@@ -1,0 +1,303 @@
+"""Runs admitted fragments on one host: dataflow within a host, the scheduler's order across hosts.
+
+Fragments are admitted strictly in the island scheduler's sequence order. On
+a single-host island any op whose inputs are ready may run (a fragment
+waiting for a transfer does not block the next client's work); on a
+multi-host island only the oldest fragment advances, so every host launches
+the island's collectives in exactly the same order (gang scheduling).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+
+from pathways import wire
+from pathways.errors import IslandFailedError, to_wire
+from pathways.sharding import index_from_wire, spec_from_wire
+from resource_manager.buffers import BufferTable, Failure
+from resource_manager.devices import LocalDevices
+from resource_manager.executables import ExecutableCache
+from resource_manager.transfer import assemble, local_pieces
+
+READS = {"exec": "in", "send": "in", "reshard": "in"}
+
+
+@dataclass(eq=False)
+class Run:
+    """One admitted fragment (or put) with its client-minted ids resolved lazily."""
+
+    seq: int
+    tenant: str
+    label: str
+    ops: list[dict]
+    slices: dict[str, dict]
+    n_inputs: int = 0
+    base: int = 0
+    inputs: list[int] = field(default_factory=list)
+    pc: int = 0
+    waiting_since: float | None = None
+
+    def rid(self, slot: int) -> int:
+        return self.inputs[slot] if slot < self.n_inputs else self.base + slot
+
+    def reads(self, op: dict) -> list[int]:
+        field_name = READS.get(op["op"])
+        if field_name is None:
+            return []
+        slots = op[field_name]
+        return [self.rid(s) for s in (slots if isinstance(slots, list) else [slots])]
+
+
+@dataclass
+class Mailbox:
+    pieces: dict = field(default_factory=dict)
+    failure: Failure | None = None
+
+
+class Executor:
+    def __init__(self, island: int, host: int, devices: LocalDevices, table: BufferTable,
+                 exes: ExecutableCache, cond: threading.Condition, peer: Callable[[int, int], Any],
+                 strict: bool, op_timeout: float) -> None:
+        self.island, self.host = island, host
+        self.devices, self.table, self.exes, self.cond = devices, table, exes, cond
+        self._peer = peer
+        self.strict = strict
+        self.op_timeout = op_timeout
+        self.runs: list[Run] = []
+        self.mailbox: dict[int, Mailbox] = {}
+        self.failed_islands: set[int] = set()
+        self.version = 0
+        self.completed = 0
+        self.ops_run = 0
+        self.busy_s = 0.0
+        self._sender = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"send-{island}.{host}")
+        self._handlers = {"exec": self._exec, "send": self._send, "recv": self._recv,
+                          "reshard": self._reshard, "free": self._free, "put": self._put}
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name=f"executor-{island}.{host}", daemon=True)
+        self._thread.start()
+
+    # -- admission (called with self.cond held, in sequence order) -------------------------------
+    def admit(self, run: Run) -> None:
+        for op in run.ops:
+            self.table.add_uses(run.reads(op))
+        self.runs.append(run)
+        self.touch()
+
+    def touch(self) -> None:
+        self.version += 1
+        self.cond.notify_all()
+
+    def stop(self) -> None:
+        with self.cond:
+            self._stopped = True
+            self.touch()
+        self._sender.shutdown(wait=False, cancel_futures=True)
+
+    # -- the loop ------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self.cond:
+                if self._stopped:
+                    return
+                seen = self.version
+                runs = list(self.runs)
+            progressed = False
+            for run in runs:
+                progressed |= self._advance(run)
+                if run.pc >= len(run.ops):
+                    with self.cond:
+                        self.runs.remove(run)
+                        self.completed += 1
+                elif self.strict:
+                    break
+            if progressed:
+                continue
+            with self.cond:
+                if self.version == seen and not self._stopped:
+                    self.cond.wait(timeout=self._next_deadline())
+
+    def _next_deadline(self) -> float:
+        waits = [r.waiting_since for r in self.runs if r.waiting_since is not None]
+        if not waits:
+            return 1.0
+        return max(0.001, min(1.0, min(waits) + self.op_timeout - time.monotonic()))
+
+    def _advance(self, run: Run) -> bool:
+        progressed = False
+        while run.pc < len(run.ops):
+            op = run.ops[run.pc]
+            start = time.perf_counter()
+            try:
+                if not self._handlers[op["op"]](run, op):
+                    now = time.monotonic()
+                    if run.waiting_since is None:
+                        run.waiting_since = now
+                    if now - run.waiting_since < self.op_timeout:
+                        return progressed
+                    self._fail_op(run, op, self._timeout_failure(run, op))
+            except Exception as exc:  # an op's failure becomes its outputs' failure
+                self._fail_op(run, op, Failure(*to_wire(exc)))
+            self.busy_s += time.perf_counter() - start
+            with self.cond:
+                self.table.done_using(run.reads(op))
+            run.pc += 1
+            run.waiting_since = None
+            self.ops_run += 1
+            progressed = True
+        return progressed
+
+    def _timeout_failure(self, run: Run, op: dict) -> Failure:
+        if op["op"] == "recv":
+            return Failure("IslandFailedError", f"island {self.island} waited {self.op_timeout:.0f}s for a transfer "
+                           f"from island {op['src']} (program {run.label!r}); that island is dead or stuck")
+        return Failure("PathwaysError", f"{op['op']} in program {run.label!r} waited {self.op_timeout:.0f}s for "
+                       "its inputs; a buffer it reads was never produced")
+
+    def _fail_op(self, run: Run, op: dict, failure: Failure) -> None:
+        kind = op["op"]
+        if kind == "send":
+            self._sender.submit(self._deliver_all, failure, run.rid(op["key"]), op["island"], op["routes"])
+        elif kind == "recv":
+            with self.cond:
+                self.mailbox.pop(run.rid(op["out"]), None)
+        outs = op.get("out", [])
+        for slot in outs if isinstance(outs, list) else [outs]:
+            self.table.put(run.rid(slot), run.tenant, failure)
+        if kind == "put":
+            self.table.put(op["id"], run.tenant, failure)
+
+    # -- ops: each returns False when its inputs are not ready yet ------------------------------
+    def _entries(self, run: Run, slots: list[int]) -> list | None:
+        entries = []
+        for slot in slots:
+            entry = self.table.lookup(run.rid(slot), run.tenant)
+            if entry is None:
+                return None
+            entries.append(entry)
+        return entries
+
+    @staticmethod
+    def _failure_of(entries: list) -> Failure | None:
+        return next((e.value for e in entries if isinstance(e.value, Failure)), None)
+
+    def _exec(self, run: Run, op: dict) -> bool:
+        entries = self._entries(run, op["in"])
+        if entries is None:
+            return False
+        failure = self._failure_of(entries)
+        if failure is not None:
+            self._fail_op(run, op, failure)
+            return True
+        desc = run.slices[op["slice"]]
+        if not self.devices.participates(desc):
+            return True
+        mesh, key = self.devices.mesh(desc)
+        compiled = self.exes.get(op["exe"], mesh, key, op["in_specs"], op["out_specs"])
+        results = compiled(*[e.value for e in entries])
+        if mesh.devices.size > 1:
+            # XLA's CPU collectives deadlock when many multi-device launches are in flight.
+            jax.block_until_ready(results)
+        for slot, value in zip(op["out"], results):
+            self.table.put(run.rid(slot), run.tenant, value)
+        return True
+
+    def _reshard(self, run: Run, op: dict) -> bool:
+        entries = self._entries(run, [op["in"]])
+        if entries is None:
+            return False
+        failure = self._failure_of(entries)
+        if failure is not None:
+            self._fail_op(run, op, failure)
+            return True
+        sharding = self.devices.sharding(run.slices[op["slice"]], spec_from_wire(op["spec"]))
+        self.table.put(run.rid(op["out"]), run.tenant, jax.device_put(entries[0].value, sharding))
+        return True
+
+    def _send(self, run: Run, op: dict) -> bool:
+        entries = self._entries(run, [op["in"]])
+        if entries is None:
+            return False
+        routes = [r for r in op["routes"] if r["host"] == self.host]
+        if routes:
+            self._sender.submit(self._deliver_all, entries[0].value, run.rid(op["key"]), op["island"], routes)
+        return True
+
+    def _deliver_all(self, value: Any, key: int, island: int, routes: list[dict]) -> None:
+        pieces = None if isinstance(value, Failure) else local_pieces(value)
+        for route in routes:
+            peer = self._peer(island, route["to"])
+            if pieces is None:
+                meta = wire.encode("deliver", {"key": key, "src": self.island, "shards": [],
+                                               "failure": [value.kind, value.message]})
+                peer.deliver.remote(meta)
+                continue
+            datas = [np.asarray(pieces[index_from_wire(s)]) for s in route["shards"]]
+            meta = wire.encode("deliver", {"key": key, "src": self.island, "shards": route["shards"]})
+            peer.deliver.remote(meta, *datas)
+
+    def deliver(self, msg: dict, datas: tuple) -> None:
+        """Called by a peer's send (under self.cond): file the pieces until the recv op claims them."""
+        box = self.mailbox.setdefault(msg["key"], Mailbox())
+        if msg.get("failure"):
+            box.failure = Failure(*msg["failure"])
+        for shard, data in zip(msg["shards"], datas):
+            box.pieces[index_from_wire(shard)] = data
+        self.touch()
+
+    def _recv(self, run: Run, op: dict) -> bool:
+        expect = dict(map(tuple, op["expect"])).get(self.host)
+        if expect is None:
+            return True
+        out = run.rid(op["out"])
+        box = self.mailbox.get(out)
+        if box is not None and box.failure is not None:
+            self._fail_op(run, op, box.failure)
+            return True
+        if box is None or len(box.pieces) < expect:
+            if op["src"] in self.failed_islands:
+                raise IslandFailedError(f"island {op['src']} failed before its transfer to island "
+                                        f"{self.island} (program {run.label!r}) arrived")
+            return False
+        with self.cond:
+            del self.mailbox[out]
+        desc, spec = run.slices[op["slice"]], spec_from_wire(op["spec"])
+        shape, dtype = op["aval"]["shape"], np.dtype(op["aval"]["dtype"])
+        array = assemble(shape, dtype, self.devices.sharding(desc, spec),
+                         self.devices.wanted(desc, shape, spec), box.pieces)
+        self.table.put(out, run.tenant, array)
+        return True
+
+    def _free(self, run: Run, op: dict) -> bool:
+        self.table.free([run.rid(s) for s in op["slots"]], run.tenant)
+        return True
+
+    def _put(self, run: Run, op: dict) -> bool:
+        desc = op["slice"]
+        if not self.devices.participates(desc):
+            return True
+        value: np.ndarray = op["value"]
+        sharding = self.devices.sharding(desc, spec_from_wire(op["spec"]))
+        if self.devices.single_host(desc):
+            array = jax.device_put(value, sharding)
+        else:
+            array = jax.make_array_from_callback(value.shape, sharding, lambda idx: value[idx])
+        self.table.put(op["id"], run.tenant, array)
+        return True
+
+    def island_failed(self, island: int) -> None:
+        with self.cond:
+            self.failed_islands.add(island)
+            self.touch()
+
+    def stats(self) -> dict:
+        return {"queue_depth": len(self.runs), "completed": self.completed, "ops": self.ops_run,
+                "busy_s": self.busy_s, "mailbox": len(self.mailbox)}

@@ -1,0 +1,162 @@
+"""A host of an island: one Ray actor owning local JAX devices, a buffer table and an executable cache.
+
+Its devices are fixed by the actor's ``runtime_env`` before JAX is imported.
+It admits fragments in the island scheduler's sequence order, runs them, sends
+shards straight to other islands' hosts, and serves fetches with a timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import ray
+
+from pathways import wire
+from pathways.errors import PathwaysError, WireFormatError, from_wire
+from resource_manager.buffers import BufferTable, Failure
+from resource_manager.executables import ExecutableCache
+from pathways.names import CLIENT_ID_BITS, host_name
+
+TEMPLATE_CACHE = 256
+
+
+class Host:
+    def __init__(self, island: int, index: int, n_hosts: int, namespace: str, op_timeout: float) -> None:
+        self.island, self.index, self.n_hosts = island, index, n_hosts
+        self.namespace = namespace
+        self.op_timeout = op_timeout
+        self._cond = threading.Condition()
+        self._pending: dict[int, tuple] = {}
+        self._next_seq = 0
+        self._templates: dict[bytes, dict] = {}
+        self._peers: dict[tuple[int, int], Any] = {}
+        self.table = BufferTable(self._cond)
+        self.exes = ExecutableCache()
+        self.executor = None
+        self.devices = None
+
+    # -- start-up ---------------------------------------------------------------------------------
+    def coordinator(self) -> str:
+        """A free address for this island's jax.distributed coordinator (called on host 0)."""
+        ip = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return f"{ip}:{s.getsockname()[1]}"
+
+    def start(self, coordinator: str | None) -> dict:
+        import jax
+
+        if self.n_hosts > 1:
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+            jax.distributed.initialize(coordinator, num_processes=self.n_hosts, process_id=self.index,
+                                       initialization_timeout=120)
+        from resource_manager.devices import LocalDevices
+        from resource_manager.executor import Executor
+
+        self.devices = LocalDevices(self.index)
+        self.executor = Executor(self.island, self.index, self.devices, self.table, self.exes, self._cond,
+                                 self._peer, strict=self.n_hosts > 1, op_timeout=self.op_timeout)
+        return {"island": self.island, "host": self.index, "pid": os.getpid(),
+                "node": ray.get_runtime_context().get_node_id(), "devices": self.devices.describe()}
+
+    def _peer(self, island: int, host: int) -> Any:
+        handle = self._peers.get((island, host))
+        if handle is None:
+            handle = ray.get_actor(host_name(island, host), namespace=self.namespace)
+            self._peers[(island, host)] = handle
+        return handle
+
+    # -- the island scheduler's ordered stream ----------------------------------------------------
+    def enqueue(self, seq: int, payload: bytes, refs: list | None = None) -> None:
+        """Accept the message with sequence number ``seq``; it is admitted once all before it are."""
+        msg = wire.decode(payload, "call", "put", "free")
+        template = self._template(msg["template"]) if msg["kind"] == "call" else None
+        values = ray.get(refs, timeout=self.op_timeout) if refs else []
+        with self._cond:
+            if seq < self._next_seq or seq in self._pending:
+                raise WireFormatError(f"sequence number {seq} was already admitted on island {self.island}")
+            self._pending[seq] = (msg, template, values)
+            while self._next_seq in self._pending:
+                self._admit(self._next_seq, *self._pending.pop(self._next_seq))
+                self._next_seq += 1
+
+    def _template(self, blob: bytes) -> dict:
+        template = self._templates.get(blob)
+        if template is None:
+            template = wire.decode(blob, "template")
+            if len(self._templates) >= TEMPLATE_CACHE:
+                self._templates.pop(next(iter(self._templates)))
+            self._templates[blob] = template
+        return template
+
+    def _admit(self, seq: int, msg: dict, template: dict | None, values: list) -> None:
+        from resource_manager.executor import Run
+
+        tenant = msg["tenant"]
+        if msg["kind"] == "free":
+            self.table.free(msg["ids"], tenant)
+            if msg.get("everything"):
+                self.table.free_client(msg["client"], tenant, CLIENT_ID_BITS)
+            return
+        if msg["kind"] == "put":
+            op = {"op": "put", "id": msg["id"], "slice": msg["slice"], "spec": msg["spec"],
+                  "value": np.asarray(values[0]).reshape(msg["aval"]["shape"])}
+            self.executor.admit(Run(seq, tenant, "put", [op], {}))
+            return
+        for exe_hash, blob in msg["exes"].items():
+            self.exes.add(exe_hash, blob)
+        self.table.free(msg["frees"], tenant)
+        self.executor.admit(Run(seq, tenant, template["program"], template["ops"], template["slices"],
+                                template["n_inputs"], msg["base"], msg["inputs"]))
+
+    # -- data plane -------------------------------------------------------------------------------
+    def deliver(self, meta: bytes, *pieces: np.ndarray) -> None:
+        """Shards sent by a host of another island, for a recv op here."""
+        msg = wire.decode(meta, "deliver")
+        if len(pieces) != len(msg["shards"]):
+            raise WireFormatError(f"deliver: {len(msg['shards'])} shard indices but {len(pieces)} arrays")
+        with self._cond:
+            self.executor.deliver(msg, pieces)
+
+    def fetch(self, payload: bytes) -> Any:
+        """A buffer's value as numpy (or this host's shards of it); waits at most the given timeout."""
+        msg = wire.decode(payload, "fetch")
+        entry = self.table.wait(msg["id"], msg["tenant"], msg["timeout"])
+        if entry is None:
+            raise PathwaysError(
+                f"buffer {msg['id']} was not produced on island {self.island} within {msg['timeout']:.1f}s")
+        value = entry.value
+        if isinstance(value, Failure):
+            raise from_wire(value.kind, value.message)
+        if msg["ready_only"]:
+            value.block_until_ready()
+            return None
+        if value.is_fully_addressable:
+            return np.asarray(value)
+        from resource_manager.transfer import local_pieces
+
+        return {tuple(map(tuple, idx)): np.asarray(data) for idx, data in local_pieces(value).items()}
+
+    # -- control ----------------------------------------------------------------------------------
+    def island_failed(self, island: int) -> None:
+        self.executor.island_failed(island)
+
+    def release_tenant(self, tenant: str) -> int:
+        return self.table.free_tenant(tenant)
+
+    def ping(self) -> float:
+        return time.time()
+
+    def stats(self) -> dict:
+        with self._cond:
+            out = {"island": self.island, "host": self.index, "buffers": len(self.table),
+                   "buffer_bytes": self.table.nbytes, "by_tenant": self.table.by_tenant(),
+                   "compiles": self.exes.compiles, "cache_hits": self.exes.hits, "executables": len(self.exes),
+                   "next_seq": self._next_seq, "waiting": len(self._pending)}
+            out.update(self.executor.stats())
+        return out

@@ -1,0 +1,50 @@
+"""An island: its host actors (one per host, devices set before JAX loads) and its scheduler."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from pathways.topology import Topology
+from resource_manager.host import Host
+from pathways.names import host_name, scheduler_name
+from resource_manager.scheduler import Scheduler
+
+
+@dataclass
+class Island:
+    index: int
+    scheduler: Any
+    hosts: list[Any]
+    host_info: list[dict]
+
+
+def host_runtime_env(topology: Topology) -> dict:
+    if topology.platform == "gpu":
+        return {"env_vars": {"JAX_PLATFORMS": "cuda"}}
+    flags = f"--xla_force_host_platform_device_count={topology.devices_per_host}"
+    return {"env_vars": {"XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}}
+
+
+def start_islands(topology: Topology, namespace: str, op_timeout: float, start_timeout: float) -> list[Island]:
+    """Start every island's hosts in parallel (each island a jax.distributed group when it has
+    several hosts), then one scheduler per island."""
+    n = topology.hosts_per_island
+    gpus = topology.devices_per_host if topology.platform == "gpu" else 0
+    actor = ray.remote(Host)
+    options = {"num_cpus": 0, "num_gpus": gpus, "max_concurrency": 64, "namespace": namespace,
+               "runtime_env": host_runtime_env(topology)}
+    hosts = [[actor.options(name=host_name(i, h), **options).remote(i, h, n, namespace, op_timeout)
+              for h in range(n)] for i in range(topology.islands)]
+    coordinators = ray.get([hs[0].coordinator.remote() for hs in hosts], timeout=start_timeout) if n > 1 \
+        else [None] * topology.islands
+    starts = [[h.start.remote(c) for h in hs] for hs, c in zip(hosts, coordinators)]
+    infos = [ray.get(s, timeout=start_timeout) for s in starts]
+    islands = []
+    for i, (hs, info) in enumerate(zip(hosts, infos)):
+        scheduler = ray.remote(Scheduler).options(name=scheduler_name(i), namespace=namespace,
+                                                  num_cpus=0).remote(i, hs)
+        islands.append(Island(i, scheduler, hs, info))
+    return islands

@@ -59,6 +59,8 @@ class Session:
                          [ray.get_actor(host_name(i, h), namespace=NAMESPACE)
                           for h in range(self.topology.hosts_per_island)])
             for i in range(self.topology.islands)]
+        # The first call to an actor resolves its handle (~0.5 s); pay that now, not on the first put.
+        ray.get([i.scheduler.stats.remote() for i in self.islands], timeout=timeouts.start)
         self._counter = itertools.count(1)
         self._id_lock = threading.Lock()
         self.sent_exes: list[set[str]] = [set() for _ in self.islands]

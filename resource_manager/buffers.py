@@ -1,7 +1,8 @@
 """A host's buffer table: client-minted ids -> resident arrays (or the error that replaced them).
 
-Deletes wait for pending readers: a free that arrives while an earlier
-fragment still needs the buffer marks it doomed, and the last reader drops it.
+Deletes wait for pending ops: a free that arrives while an earlier fragment
+still has to write or read the buffer marks it doomed, and the last of those
+ops drops it.
 """
 
 from __future__ import annotations

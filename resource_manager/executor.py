@@ -28,6 +28,7 @@ from resource_manager.executables import ExecutableCache
 from resource_manager.transfer import assemble, local_pieces
 
 READS = {"exec": "in", "send": "in", "reshard": "in"}
+WRITES = {"exec": "out", "recv": "out", "reshard": "out", "put": "id"}
 
 
 @dataclass(eq=False)
@@ -48,12 +49,19 @@ class Run:
     def rid(self, slot: int) -> int:
         return self.inputs[slot] if slot < self.n_inputs else self.base + slot
 
-    def reads(self, op: dict) -> list[int]:
-        field_name = READS.get(op["op"])
-        if field_name is None:
-            return []
-        slots = op[field_name]
-        return [self.rid(s) for s in (slots if isinstance(slots, list) else [slots])]
+    def touches(self, op: dict) -> list[int]:
+        """Ids the op reads or writes: a free arriving meanwhile must wait until the op is done."""
+        ids = []
+        for table in (READS, WRITES):
+            name = table.get(op["op"])
+            if name is None:
+                continue
+            slots = op[name]
+            if op["op"] == "put":
+                ids.append(slots)
+            else:
+                ids.extend(self.rid(s) for s in (slots if isinstance(slots, list) else [slots]))
+        return ids
 
 
 @dataclass
@@ -88,7 +96,7 @@ class Executor:
     # -- admission (called with self.cond held, in sequence order) -------------------------------
     def admit(self, run: Run) -> None:
         for op in run.ops:
-            self.table.add_uses(run.reads(op))
+            self.table.add_uses(run.touches(op))
         self.runs.append(run)
         self.touch()
 
@@ -148,7 +156,7 @@ class Executor:
                 self._fail_op(run, op, Failure(*to_wire(exc)))
             self.busy_s += time.perf_counter() - start
             with self.cond:
-                self.table.done_using(run.reads(op))
+                self.table.done_using(run.touches(op))
             run.pc += 1
             run.waiting_since = None
             self.ops_run += 1

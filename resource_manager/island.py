@@ -47,4 +47,5 @@ def start_islands(topology: Topology, namespace: str, op_timeout: float, start_t
         scheduler = ray.remote(Scheduler).options(name=scheduler_name(i), namespace=namespace,
                                                   num_cpus=0).remote(i, hs)
         islands.append(Island(i, scheduler, hs, info))
+    ray.get([isl.scheduler.warm.remote() for isl in islands], timeout=start_timeout)
     return islands

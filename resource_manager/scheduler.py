@@ -40,5 +40,11 @@ class Scheduler:
             host.enqueue.remote(seq, payload, refs)
         return seq
 
+    def warm(self) -> None:
+        """Resolve the host handles once, so the first real message is not delayed."""
+        import ray
+
+        ray.get([h.ping.remote() for h in self._hosts])
+
     def stats(self) -> dict:
         return {"island": self.island, "sequenced": self._seq, "by_tenant": dict(self._by_tenant)}

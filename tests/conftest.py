@@ -1,0 +1,33 @@
+"""One embedded cluster (2 islands x 1 host x 4 CPU devices) shared by the whole test session."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+
+import pathways as pw
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    session = pw.init(topology=pw.Topology(islands=2, hosts_per_island=1, devices_per_host=4),
+                      timeouts=pw.Timeouts(fetch=60.0, op=30.0))
+    yield session
+    pw.shutdown()
+
+
+def host_stats(session, island: int, host: int = 0) -> dict:
+    return ray.get(session.islands[island].hosts[host].stats.remote(), timeout=30)
+
+
+def settle(session, islands=(0, 1), expect=None, timeout: float = 10.0) -> list[int]:
+    """Buffer counts per island once the batched frees have landed (optionally until they equal ``expect``)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        session.frees.flush()
+        time.sleep(0.2)
+        counts = [host_stats(session, i)["buffers"] for i in islands]
+        if expect is None or counts == list(expect) or time.monotonic() > deadline:
+            return counts

@@ -1,0 +1,162 @@
+"""Issue 2: cluster start, slices, compiled functions on slices, arrays, wire format, errors."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import ray
+from conftest import host_stats, settle
+from jax.sharding import PartitionSpec as P
+
+import pathways as pw
+from pathways import wire
+
+
+def test_quickstart_matches_numpy(cluster):
+    s = pw.slice((2, 2), ("data", "model"))
+    a = np.arange(16.0, dtype=np.float32).reshape(4, 4)
+    x = pw.put(a, s, P("data", None))
+    f = pw.jit(lambda v: jnp.tanh(v) @ v.T, slice=s, in_specs=(P("data", None),), out_specs=P())
+    y = f(x)
+    assert isinstance(y, pw.Array) and y.shape == (4, 4) and y.dtype == np.float32
+    np.testing.assert_allclose(np.asarray(y), np.tanh(a) @ a.T, rtol=1e-5)
+    s.release()
+
+
+def test_init_is_idempotent(cluster):
+    assert pw.init() is cluster
+    assert pw.init(topology=pw.Topology(2, 1, 4)) is cluster
+
+
+def test_slices_balance_across_islands_and_release(cluster):
+    before = {a["key"] for a in pw.status().allocations}
+    with pw.slice((4,), ("x",)) as a, pw.slice((4,), ("x",)) as b:
+        assert {a.island, b.island} == {0, 1}
+        assert len(set(a.devices)) == 4 and all(h == 0 for h, _ in a.devices)
+        keys = {x["key"] for x in pw.status().allocations}
+        assert {a.key, b.key} <= keys
+    assert {x["key"] for x in pw.status().allocations} == before
+    c = pw.slice((2,), ("x",), island=1)
+    assert c.island == 1 and len(c.devices) == 2
+    pw.release(c)
+    assert c.key not in {x["key"] for x in pw.status().allocations}
+
+
+@pytest.mark.parametrize("shape, axes, island, words", [
+    ((4, 4), ("a", "b"), None, ["16 devices", "largest island has 4"]),
+    ((2,), ("x",), 7, ["island 7", "does not exist"]),
+    ((2, 2), ("x",), None, ["axis names", "one name per dimension"]),
+])
+def test_impossible_slices_raise_resource_error(cluster, shape, axes, island, words):
+    with pytest.raises(pw.ResourceError) as info:
+        pw.slice(shape, axes, island=island)
+    for word in words:
+        assert word in str(info.value)
+    assert "the cluster has 2 island(s)" in str(info.value) or "axis names" in str(info.value)
+
+
+def test_compile_once_per_shape_and_reexport_on_new_shape(cluster):
+    with pw.slice((2,), ("x",), island=0) as s:
+        f = pw.jit(lambda v: v * 3.0 + 1.0, slice=s, in_specs=(P("x"),), out_specs=P("x"))
+        x = pw.put(np.ones(8, np.float32), s, P("x"))
+        np.testing.assert_allclose(np.asarray(f(x)), 4.0)
+        compiles = host_stats(cluster, 0)["compiles"]
+        hits = host_stats(cluster, 0)["cache_hits"]
+        np.testing.assert_allclose(np.asarray(f(x)), 4.0)
+        assert host_stats(cluster, 0)["compiles"] == compiles
+        assert host_stats(cluster, 0)["cache_hits"] > hits
+        y = pw.put(np.ones(6, np.float32), s, P("x"))
+        np.testing.assert_allclose(np.asarray(f(y)), 4.0)
+        assert host_stats(cluster, 0)["compiles"] == compiles + 1
+        assert len(f._exports) == 2
+
+
+def test_mismatches_raise_program_error(cluster):
+    with pw.slice((2,), ("x",), island=0) as s, pw.slice((2,), ("x",), island=1) as t:
+        f = pw.jit(lambda a, b: a @ b, slice=s)
+        a = pw.put(np.ones((3, 4), np.float32), s)
+        with pytest.raises(pw.ProgramError, match="cannot run on arguments"):
+            f(a, a)
+        g = pw.jit(lambda v: v + 1, slice=s, in_specs=(P("x"),))
+        with pytest.raises(pw.ProgramError, match="not divisible"):
+            g(pw.put(np.ones(3, np.float32), s))
+        elsewhere = pw.put(np.ones(4, np.float32), t)
+        with pytest.raises(pw.ProgramError, match="lives on"):
+            g(elsewhere)
+        with pytest.raises(pw.ProgramError, match="in_specs has 1 entries"):
+            pw.jit(lambda a, b: a + b, slice=s, in_specs=(P(),))(a, a)
+
+
+def test_array_handle_properties_and_fetch(cluster):
+    with pw.slice((2, 2), ("data", "model"), island=1) as s:
+        value = np.arange(24, dtype=np.int32).reshape(4, 6)
+        x = pw.put(value, s, P("data", "model"))
+        assert x.shape == (4, 6) and x.dtype == np.int32 and x.slice is s and x.spec == P("data", "model")
+        assert x.block_until_ready(timeout=30) is x
+        np.testing.assert_array_equal(x.fetch(timeout=30), value)
+        np.testing.assert_array_equal(np.asarray(x), value)
+        f64 = pw.put(np.ones(2), s)
+        assert f64.dtype == np.float32  # canonicalized the way JAX would
+
+
+def test_buffers_are_freed_when_handles_are_dropped(cluster):
+    start = settle(cluster)
+    with pw.slice((2,), ("x",), island=0) as s:
+        f = pw.jit(lambda v: v * 2.0, slice=s)
+        arrays = [pw.put(np.full(4, i, np.float32), s) for i in range(10)]
+        outs = [f(a) for a in arrays]
+        np.testing.assert_allclose(np.asarray(outs[-1]), 18.0)
+        assert settle(cluster)[0] == start[0] + 20
+        del arrays, outs
+        gc.collect()
+        assert settle(cluster, expect=start) == start
+
+
+def test_garbage_messages_are_refused_and_hosts_keep_serving(cluster):
+    island = cluster.islands[0]
+    for bad in (b"garbage", b"\x81\xa1v\x63", wire.encode("free", {"tenant": "t", "client": 1, "ids": []})[:-2]):
+        with pytest.raises(pw.WireFormatError):
+            ray.get(island.scheduler.submit.remote(bad), timeout=30)
+        with pytest.raises(pw.WireFormatError):
+            ray.get(island.hosts[0].fetch.remote(bad), timeout=30)
+        with pytest.raises(pw.WireFormatError):
+            ray.get(island.hosts[0].deliver.remote(bad), timeout=30)
+        with pytest.raises(pw.WireFormatError):
+            ray.get(island.hosts[0].enqueue.remote(10**9, bad), timeout=30)
+    wrong_version = wire.encode("free", {"tenant": "t", "client": 1, "ids": []}).replace(b"\xa1v\x01", b"\xa1v\x07")
+    with pytest.raises(pw.WireFormatError, match="unsupported wire version 7"):
+        ray.get(island.scheduler.submit.remote(wrong_version), timeout=30)
+    reply = wire.decode(ray.get(cluster.rm.allocate.remote(b"\x00garbage"), timeout=30), "reply")
+    assert not reply["ok"] and reply["value"][0] == "WireFormatError"
+    with pw.slice((2,), ("x",), island=0) as s:
+        np.testing.assert_allclose(np.asarray(pw.jit(lambda v: v - 1.0, slice=s)(pw.put(np.ones(2), s))), 0.0)
+
+
+def test_second_process_sees_the_same_cluster(cluster):
+    with pw.slice((3,), ("x",), island=1) as mine:
+        script = textwrap.dedent(f"""
+            import json, pathways as pw
+            pw.init(address="auto")
+            st = pw.status()
+            other = pw.slice((1,), ("x",), island=0)
+            print(json.dumps({{"islands": len(st.islands), "keys": [a["key"] for a in st.allocations],
+                              "topology": str(st.topology), "other": other.key}}))
+            pw.shutdown()
+        """)
+        env = dict(os.environ, RAY_ADDRESS=ray.get_runtime_context().gcs_address)
+        proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        seen = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert seen["islands"] == 2 and mine.key in seen["keys"]
+        assert seen["topology"] == str(cluster.topology)
+        # the other client's slice went away with its session, and the cluster is still ours
+        assert seen["other"] not in {a["key"] for a in pw.status().allocations}
+    assert pw.status().islands[1].healthy

@@ -1,0 +1,30 @@
+"""A dead island fails its dependents fast and leaves the other islands working (own cluster)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def run_scenario(hosts: int) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "island_failure_scenario.py"), str(hosts)],
+                          env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("hosts", [1])
+def test_killed_host_fails_pending_outputs_fast(hosts):
+    r = run_scenario(hosts)
+    assert r["z_on_island0"].startswith("IslandFailedError"), r
+    assert r["y_on_island1"].startswith("IslandFailedError"), r
+    assert r["z_on_island0_s"] < 15 and r["y_on_island1_s"] < 15, r
+    assert r["island0_still_works"] == 4.0
+    assert r["healthy"] == [True, False] and "host" in r["reason"]

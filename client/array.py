@@ -17,7 +17,7 @@ from client.session import Session, current
 from client.slices import VirtualSlice
 from pathways import wire
 from pathways.errors import PathwaysError, ProgramError
-from pathways.sharding import check_spec, spec_to_wire
+from pathways.sharding import check_spec, device_indices, spec_to_wire
 
 
 class Array:
@@ -112,8 +112,23 @@ def put(value: Any, slice: VirtualSlice, spec: P | None = None) -> Array:  # noq
     buffer_id = session.mint()
     msg = {"tenant": session.tenant, "client": session.client_id, "id": buffer_id, "slice": slice.desc(),
            "spec": spec_to_wire(spec), "aval": {"shape": list(array.shape), "dtype": dtype.name}}
-    session.submit(slice.island, wire.encode("put", msg), [ray.put(array)])
+    if len(slice.hosts) == 1:
+        refs = [ray.put(array)]
+    else:  # scatter: each host of the slice receives only the shards its devices hold
+        regions = owned_regions(array.shape, slice.desc(), spec)
+        refs = [ray.put({index: np.ascontiguousarray(array[tuple(np.s_[a:b] for a, b in index)])
+                         for index in regions[h]}) for h in slice.hosts]
+        msg["per_host"] = True
+    session.submit(slice.island, wire.encode("put", msg), refs)
     return Array(session, buffer_id, array.shape, dtype, slice, spec, frozenset({slice.island}))
+
+
+def owned_regions(shape: tuple[int, ...], desc: dict, spec: P) -> dict[int, set]:
+    """The distinct regions each host of a slice holds."""
+    out: dict[int, set] = {}
+    for (host, _), index in zip(desc["devices"], device_indices(shape, desc, spec)):
+        out.setdefault(host, set()).add(index)
+    return out
 
 
 def ensure_arrays(values: list, what: str) -> None:

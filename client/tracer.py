@@ -245,6 +245,37 @@ class ProgramFunction:
         return dispatch(traced, leaves)
 
 
+_moves: dict[tuple, ProgramFunction] = {}
+
+
+def transfer(value: Any, slice: Any, spec: P | None = None) -> Any:  # noqa: A002
+    """Move ``value`` (a pw.Array, or a pytree of them) to ``slice``, resharded as ``spec`` (default: its own).
+
+    Inside a program the send is placed here, so it overlaps whatever the
+    program computes next (e.g. sending one layer group's gradients while the
+    next group's backward runs); outside one, it runs as a one-transfer program.
+    """
+    trace = current_trace()
+    if trace is None:
+        leaves = jax.tree_util.tree_leaves(value)
+        key = (slice.key, None if spec is None else norm_spec(spec), len(leaves))
+        fn = _moves.get(key)
+        if fn is None:
+            fn = _moves[key] = ProgramFunction(lambda v: transfer(v, slice, spec), name="transfer")
+        return fn(value)
+
+    def move(leaf: Any) -> TracedValue:
+        if not (isinstance(leaf, TracedValue) and leaf.trace is trace):
+            raise ProgramError(f"pw.transfer inside a program takes its values, got {type(leaf).__name__} "
+                               f"at {user_line()}")
+        target_spec = leaf.spec if spec is None else spec
+        if leaf.slice is slice and norm_spec(leaf.spec) == norm_spec(target_spec):
+            return leaf
+        return TracedValue(trace.move(leaf.value, slice, target_spec), trace)
+
+    return jax.tree_util.tree_map(move, value)
+
+
 def program(fn: Callable) -> ProgramFunction:
     """Decorate a function that calls pw.jit functions: each call runs it as one dataflow program."""
     return ProgramFunction(fn)

@@ -12,7 +12,7 @@ from client.array import Array, put
 from client.jit import CompiledFunction, jit
 from client.session import Timeouts, init, shutdown
 from client.slices import VirtualSlice, release, slice
-from client.tracer import ProgramFunction, program
+from client.tracer import ProgramFunction, program, transfer
 from pathways.errors import (
     IslandFailedError,
     PathwaysError,
@@ -47,4 +47,5 @@ __all__ = [
     "shutdown",
     "slice",
     "status",
+    "transfer",
 ]

@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from pathways.errors import ProgramError
@@ -129,6 +131,11 @@ def plan_transfer(shape: Sequence[int], src: dict, src_spec: P, dst: dict, dst_s
         counts[to] = counts.get(to, 0) + len(shards)
         out.append({"host": host, "to": to, "shards": [[list(r) for r in s] for s in shards]})
     return out, [[to, n] for to, n in sorted(counts.items())]
+
+
+def dtype_from_wire(name: str) -> np.dtype:
+    """A dtype from its wire name, including JAX's extended ones (bfloat16, float8_*)."""
+    return np.dtype(jnp.dtype(name))
 
 
 def index_from_wire(shard: Sequence[Sequence[int]]) -> Index:

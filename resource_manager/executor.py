@@ -21,7 +21,7 @@ import numpy as np
 
 from pathways import wire
 from pathways.errors import IslandFailedError, to_wire
-from pathways.sharding import index_from_wire, spec_from_wire
+from pathways.sharding import dtype_from_wire, index_from_wire, spec_from_wire
 from resource_manager.buffers import BufferTable, Failure
 from resource_manager.devices import LocalDevices
 from resource_manager.executables import ExecutableCache
@@ -198,15 +198,15 @@ class Executor:
         return next((e.value for e in entries if isinstance(e.value, Failure)), None)
 
     def _exec(self, run: Run, op: dict) -> bool:
+        desc = run.slices[op["slice"]]
+        if not self.devices.participates(desc):
+            return True  # a slice on other hosts of this island: nothing of it lives here
         entries = self._entries(run, op["in"])
         if entries is None:
             return False
         failure = self._failure_of(entries)
         if failure is not None:
             self._fail_op(run, op, failure)
-            return True
-        desc = run.slices[op["slice"]]
-        if not self.devices.participates(desc):
             return True
         mesh, key = self.devices.mesh(desc)
         compiled = self.exes.get(op["exe"], mesh, key, op["in_specs"], op["out_specs"])
@@ -219,6 +219,8 @@ class Executor:
         return True
 
     def _reshard(self, run: Run, op: dict) -> bool:
+        if not self.devices.participates(run.slices[op["slice"]]):
+            return True
         entries = self._entries(run, [op["in"]])
         if entries is None:
             return False
@@ -231,12 +233,13 @@ class Executor:
         return True
 
     def _send(self, run: Run, op: dict) -> bool:
+        routes = [r for r in op["routes"] if r["host"] == self.host]
+        if not routes:
+            return True
         entries = self._entries(run, [op["in"]])
         if entries is None:
             return False
-        routes = [r for r in op["routes"] if r["host"] == self.host]
-        if routes:
-            self._sender.submit(self._deliver_all, entries[0].value, run.rid(op["key"]), op["island"], routes)
+        self._sender.submit(self._deliver_all, entries[0].value, run.rid(op["key"]), op["island"], routes)
         return True
 
     def _deliver_all(self, value: Any, key: int, island: int, routes: list[dict]) -> None:
@@ -278,7 +281,7 @@ class Executor:
         with self.cond:
             del self.mailbox[out]
         desc, spec = run.slices[op["slice"]], spec_from_wire(op["spec"])
-        shape, dtype = op["aval"]["shape"], np.dtype(op["aval"]["dtype"])
+        shape, dtype = op["aval"]["shape"], dtype_from_wire(op["aval"]["dtype"])
         array = assemble(shape, dtype, self.devices.sharding(desc, spec),
                          self.devices.wanted(desc, shape, spec), box.pieces)
         self.table.put(out, run.tenant, array)
@@ -292,12 +295,15 @@ class Executor:
         desc = op["slice"]
         if not self.devices.participates(desc):
             return True
-        value: np.ndarray = op["value"]
-        sharding = self.devices.sharding(desc, spec_from_wire(op["spec"]))
-        if self.devices.single_host(desc):
-            array = jax.device_put(value, sharding)
+        value = op["value"]
+        spec = spec_from_wire(op["spec"])
+        sharding = self.devices.sharding(desc, spec)
+        if isinstance(value, dict):  # this host's shards of a scattered put
+            shape = op["aval"]["shape"]
+            array = assemble(shape, dtype_from_wire(op["aval"]["dtype"]), sharding,
+                             self.devices.wanted(desc, shape, spec), value)
         else:
-            array = jax.make_array_from_callback(value.shape, sharding, lambda idx: value[idx])
+            array = jax.device_put(value, sharding)
         self.table.put(op["id"], run.tenant, array)
         return True
 

@@ -104,8 +104,13 @@ class Host:
                 self.table.free_client(msg["client"], tenant, CLIENT_ID_BITS)
             return
         if msg["kind"] == "put":
-            op = {"op": "put", "id": msg["id"], "slice": msg["slice"], "spec": msg["spec"],
-                  "value": np.asarray(values[0]).reshape(msg["aval"]["shape"])}
+            if msg.get("per_host"):
+                hosts = sorted({h for h, _ in msg["slice"]["devices"]})
+                value = values[hosts.index(self.index)] if self.index in hosts else {}
+            else:
+                value = np.asarray(values[0]).reshape(msg["aval"]["shape"])
+            op = {"op": "put", "id": msg["id"], "slice": msg["slice"], "spec": msg["spec"], "aval": msg["aval"],
+                  "value": value}
             self.executor.admit(Run(seq, tenant, "put", [op], {}))
             return
         for exe_hash, blob in msg["exes"].items():

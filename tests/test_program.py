@@ -211,3 +211,25 @@ def test_static_control_flow_and_program_errors(slices):
         pw.program(lambda v: 3)(v)
     with pytest.raises(pw.ProgramError, match="not an argument of the program"):
         pw.program(lambda u: f(v))(v)
+
+
+def test_explicit_transfer_places_the_send(slices):
+    s1, s2 = slices
+    f = pw.jit(lambda v: v + 1.0, slice=s1)
+    g = pw.jit(lambda v: v * 10.0, slice=s1)
+    h = pw.jit(lambda a, b: a - b, slice=s2)
+
+    @pw.program
+    def early(v):
+        a = f(v)
+        a_remote = pw.transfer(a, s2)  # the send is emitted here, before g runs
+        b = g(a)
+        return h(a_remote, pw.transfer(b, s2))
+
+    v = pw.put(np.ones(2, np.float32), s1)
+    np.testing.assert_allclose(np.asarray(early(v)), 2.0 - 20.0)
+    ops = [type(n).__name__ for n in early.graph(v).nodes]
+    assert ops == ["Compute", "Transfer", "Compute", "Transfer", "Compute"]
+    moved = pw.transfer(v, s2, P("x"))
+    assert moved.slice is s2 and moved.spec == P("x")
+    np.testing.assert_allclose(np.asarray(moved), 1.0)

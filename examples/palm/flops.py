@@ -49,7 +49,7 @@ def hfu(tokens_per_s: float, config: PalmConfig, peak_flops: float, recompute: b
 
 
 def measure_cpu_peak_flops(devices: Sequence[jax.Device] | None = None, n: int = 1024,
-                           dtype: jnp.dtype = jnp.float32, repeats: int = 7) -> float:
+                           dtype: jax.typing.DTypeLike = jnp.float32, repeats: int = 7) -> float:
     """Aggregate matmul FLOP/s of ``devices`` (default: all CPU devices), median of ``repeats`` timed runs.
 
     Every device multiplies its own n×n matrices at the same time, so simulated

@@ -81,6 +81,7 @@ def lower(program: Program, exes: dict[str, bytes]) -> Lowered:
     for island, island_ops in ops.items():
         island_ops = _with_frees(island_ops, keep)
         template = wire.encode("template", {"program": program.name, "n_inputs": n_inputs,
+                                            "n_values": len(program.values),
                                             "slices": slices.get(island, {}), "ops": island_ops})
         fragments[island] = Fragment(island, template, used_exes.get(island, {}), island_ops)
     return Lowered(n_inputs, len(program.values), fragments, placement_of(program))

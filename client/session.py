@@ -22,9 +22,8 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from pathways import wire
 from pathways.errors import IslandFailedError, PathwaysError, ResourceError, from_wire
-from pathways.topology import Topology
 from pathways.names import CLIENT_ID_BITS, NAMESPACE, RESOURCE_MANAGER, host_name, scheduler_name
-
+from pathways.topology import Topology
 
 
 @dataclass(frozen=True)
@@ -51,7 +50,11 @@ class Session:
         self.weight = weight
         self.timeouts = timeouts
         self.owns_ray = owns_ray
-        reg = self.rm_call("register", "register", {"tenant": tenant, "pid": os.getpid(), "weight": weight})
+        from resource_manager.lease import Lease
+
+        self.lease = ray.remote(Lease).options(num_cpus=0, namespace=NAMESPACE).remote()
+        reg = self.rm_call("register", "register", {"tenant": tenant, "pid": os.getpid(), "weight": weight},
+                           self.lease)
         self.client_id: int = reg["client"]
         self.topology = Topology.from_wire(reg["topology"])
         self.islands = [
@@ -79,10 +82,10 @@ class Session:
         return (self.client_id << CLIENT_ID_BITS) | start
 
     # -- messages -----------------------------------------------------------------------------------
-    def rm_call(self, method: str, kind: str, body: dict) -> Any:
+    def rm_call(self, method: str, kind: str, body: dict, *extra: Any) -> Any:
         payload = wire.encode(kind, body)
         try:
-            raw = ray.get(getattr(self.rm, method).remote(payload), timeout=self.timeouts.start)
+            raw = ray.get(getattr(self.rm, method).remote(payload, *extra), timeout=self.timeouts.start)
         except GetTimeoutError:
             raise PathwaysError(f"the resource manager did not answer {method} within "
                                 f"{self.timeouts.start:.0f}s") from None
@@ -240,6 +243,10 @@ def init(topology: Topology | None = None, address: str | None = None, *, tenant
             return _session
         timeouts = timeouts or Timeouts()
         tenant = tenant or os.environ.get("PATHWAYS_TENANT") or "default"
+        if "PATHWAYS_WEIGHT" in os.environ and weight == 1.0:
+            weight = float(os.environ["PATHWAYS_WEIGHT"])
+        if weight <= 0:
+            raise ValueError(f"weight must be positive, got {weight}")
         address = address or os.environ.get("RAY_ADDRESS")
         owns_ray = False
         if not ray.is_initialized():

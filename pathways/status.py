@@ -31,6 +31,13 @@ class IslandStatus:
     healthy: bool
     reason: str
     hosts: list[HostStatus]
+    queue_depth: int = 0  # fragments queued at the scheduler plus those running on the hosts
+    tenant_time_s: dict[str, float] = field(default_factory=dict)  # island time each tenant received
+
+    @property
+    def tenant_share(self) -> dict[str, float]:
+        total = sum(self.tenant_time_s.values())
+        return {t: v / total for t, v in self.tenant_time_s.items()} if total else {}
 
 
 @dataclass(frozen=True)
@@ -39,6 +46,8 @@ class ClusterStatus:
     islands: list[IslandStatus]
     allocations: list[dict]
     clients: dict[str, dict] = field(default_factory=dict)
+    tenants: dict[str, dict] = field(default_factory=dict)
+    reclaimed: list[dict] = field(default_factory=list)
 
     def host(self, island: int, host: int = 0) -> HostStatus:
         return self.islands[island].hosts[host]
@@ -47,7 +56,9 @@ class ClusterStatus:
         lines = [f"topology: {self.topology}"]
         for isl in self.islands:
             health = "healthy" if isl.healthy else f"UNHEALTHY ({isl.reason})"
-            lines.append(f"island {isl.index}: {health}")
+            shares = ", ".join(f"{t} {100 * v:.0f}%" for t, v in sorted(isl.tenant_share.items()))
+            lines.append(f"island {isl.index}: {health}, queue depth {isl.queue_depth}"
+                         + (f", island time: {shares}" if shares else ""))
             for h in isl.hosts:
                 lines.append(f"  host {h.host} node {h.node[:12]} devices {len(h.devices)} "
                              f"buffers {h.buffers} ({h.buffer_bytes} B) compiles {h.compiles} "
@@ -56,8 +67,12 @@ class ClusterStatus:
         by_tenant: dict[str, list[str]] = {}
         for a in self.allocations:
             by_tenant.setdefault(a["tenant"], []).append(f"{a['key']}{tuple(a['shape'])}@island{a['island']}")
-        for tenant, slices in sorted(by_tenant.items()):
-            lines.append(f"tenant {tenant}: {', '.join(slices)}")
+        for tenant in sorted(set(by_tenant) | set(self.tenants)):
+            info = self.tenants.get(tenant, {})
+            quota = info.get("quota")
+            lines.append(f"tenant {tenant} (weight {info.get('weight', 1.0):g}, quota "
+                         f"{'none' if quota is None else quota}, clients {info.get('clients', 0)}): "
+                         f"{', '.join(by_tenant.get(tenant, [])) or 'no slices'}")
         return "\n".join(lines)
 
 
@@ -70,7 +85,9 @@ def status(timeout: float = 10.0) -> ClusterStatus:
     islands = []
     for isl, client in zip(state["islands"], session.islands):
         refs = [h.stats.remote() for h in client.hosts]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        sched_ref = client.scheduler.stats.remote()
+        ready, _ = ray.wait(refs + [sched_ref], num_returns=len(refs) + 1, timeout=timeout)
+        sched = ray.get(sched_ref) if sched_ref in ready else {}
         hosts = []
         for info, ref in zip(isl["hosts"], refs):
             stats: dict = {}
@@ -84,5 +101,8 @@ def status(timeout: float = 10.0) -> ClusterStatus:
                                     devices=info["devices"], alive=alive,
                                     **{k: stats[k] for k in ("buffers", "buffer_bytes", "compiles", "cache_hits",
                                                              "queue_depth", "completed", "busy_s") if k in stats}))
-        islands.append(IslandStatus(isl["index"], isl["healthy"], isl["reason"], hosts))
-    return ClusterStatus(Topology.from_wire(state["topology"]), islands, state["allocations"], state["clients"])
+        depth = sched.get("queued", 0) + max((h.queue_depth for h in hosts), default=0)
+        islands.append(IslandStatus(isl["index"], isl["healthy"], isl["reason"], hosts, depth,
+                                    sched.get("tenant_time_s", {})))
+    return ClusterStatus(Topology.from_wire(state["topology"]), islands, state["allocations"], state["clients"],
+                         state.get("tenants", {}), state.get("reclaimed", []))

@@ -35,7 +35,8 @@ OPS: dict[str, dict] = {
 }
 
 MESSAGES: dict[str, dict] = {
-    "template": {"program": str, "n_inputs": int, "slices": ("map", SLICE), "ops": ("list", dict)},
+    "template": {"program": str, "n_inputs": int, "n_values": int, "slices": ("map", SLICE),
+                 "ops": ("list", dict)},
     "call": {"tenant": str, "client": int, "template": bytes, "base": int,
              "inputs": ("list", int), "exes": ("map", bytes), "frees": ("list", int)},
     "put": {"tenant": str, "client": int, "id": int, "slice": SLICE, "spec": SPEC, "aval": AVAL,
@@ -45,6 +46,7 @@ MESSAGES: dict[str, dict] = {
                 "failure": ("opt", ("list", str))},
     "fetch": {"tenant": str, "id": int, "timeout": float, "ready_only": bool},
     "register": {"tenant": str, "pid": int, "weight": float},
+    "quota": {"tenant": str, "devices": ("opt", int)},
     "allocate": {"tenant": str, "client": int, "shape": ("list", int), "axes": ("list", str),
                  "island": ("opt", int)},
     "release": {"tenant": str, "slice": str},

@@ -42,6 +42,9 @@ class BufferTable:
 
     def put(self, buffer_id: int, tenant: str, value: Any) -> None:
         with self._cond:
+            entry = self._entries.get(buffer_id)
+            if entry is not None and entry.tenant != tenant:
+                raise TenantAccessError(f"buffer {buffer_id} is not owned by tenant {tenant!r}; refusing to write it")
             self._entries[buffer_id] = Entry(tenant, value)
             self._cond.notify_all()
 

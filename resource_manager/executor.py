@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from pathways import wire
-from pathways.errors import IslandFailedError, to_wire
+from pathways.errors import IslandFailedError, TenantAccessError, to_wire
 from pathways.sharding import dtype_from_wire, index_from_wire, spec_from_wire
 from resource_manager.buffers import BufferTable, Failure
 from resource_manager.devices import LocalDevices
@@ -45,6 +45,9 @@ class Run:
     inputs: list[int] = field(default_factory=list)
     pc: int = 0
     waiting_since: float | None = None
+    busy_s: float = 0.0
+    refusal: Failure | None = None
+    reported_blocked: bool = False
 
     def rid(self, slot: int) -> int:
         return self.inputs[slot] if slot < self.n_inputs else self.base + slot
@@ -73,10 +76,13 @@ class Mailbox:
 class Executor:
     def __init__(self, island: int, host: int, devices: LocalDevices, table: BufferTable,
                  exes: ExecutableCache, cond: threading.Condition, peer: Callable[[int, int], Any],
-                 strict: bool, op_timeout: float) -> None:
+                 scheduler: Callable[[], Any], strict: bool, op_timeout: float) -> None:
         self.island, self.host = island, host
         self.devices, self.table, self.exes, self.cond = devices, table, exes, cond
         self._peer = peer
+        self._scheduler = scheduler
+        self._done: list[list] = []
+        self._blocked: list[int] = []
         self.strict = strict
         self.op_timeout = op_timeout
         self.runs: list[Run] = []
@@ -125,13 +131,28 @@ class Executor:
                     with self.cond:
                         self.runs.remove(run)
                         self.completed += 1
+                    self._done.append([run.seq, run.busy_s])
                 elif self.strict:
                     break
+            self._report()
             if progressed:
                 continue
             with self.cond:
                 if self.version == seen and not self._stopped:
                     self.cond.wait(timeout=self._next_deadline())
+
+    def _report(self) -> None:
+        """Tell the island scheduler (host 0 speaks for the island) what finished or is blocked."""
+        if self.host != 0 or not (self._done or self._blocked):
+            self._done, self._blocked = [], []
+            return
+        scheduler = self._scheduler()
+        if self._blocked:
+            scheduler.blocked.remote(self._blocked)
+            self._blocked = []
+        if self._done:
+            scheduler.completed.remote(self._done)
+            self._done = []
 
     def _next_deadline(self) -> float:
         waits = [r.waiting_since for r in self.runs if r.waiting_since is not None]
@@ -145,16 +166,23 @@ class Executor:
             op = run.ops[run.pc]
             start = time.perf_counter()
             try:
-                if not self._handlers[op["op"]](run, op):
+                if run.refusal is not None:
+                    self._fail_op(run, op, run.refusal)
+                elif not self._handlers[op["op"]](run, op):
                     now = time.monotonic()
                     if run.waiting_since is None:
                         run.waiting_since = now
+                        if op["op"] == "recv" and not run.reported_blocked:
+                            run.reported_blocked = True
+                            self._blocked.append(run.seq)
                     if now - run.waiting_since < self.op_timeout:
                         return progressed
                     self._fail_op(run, op, self._timeout_failure(run, op))
             except Exception as exc:  # an op's failure becomes its outputs' failure
                 self._fail_op(run, op, Failure(*to_wire(exc)))
-            self.busy_s += time.perf_counter() - start
+            elapsed = time.perf_counter() - start
+            run.busy_s += elapsed
+            self.busy_s += elapsed
             with self.cond:
                 self.table.done_using(run.touches(op))
             run.pc += 1
@@ -178,10 +206,14 @@ class Executor:
             with self.cond:
                 self.mailbox.pop(run.rid(op["out"]), None)
         outs = op.get("out", [])
-        for slot in outs if isinstance(outs, list) else [outs]:
-            self.table.put(run.rid(slot), run.tenant, failure)
+        ids = [run.rid(slot) for slot in (outs if isinstance(outs, list) else [outs])]
         if kind == "put":
-            self.table.put(op["id"], run.tenant, failure)
+            ids.append(op["id"])
+        for buffer_id in ids:
+            try:
+                self.table.put(buffer_id, run.tenant, failure)
+            except TenantAccessError:
+                pass  # another tenant's buffer: leave it exactly as it is
 
     # -- ops: each returns False when its inputs are not ready yet ------------------------------
     def _entries(self, run: Run, slots: list[int]) -> list | None:
@@ -211,9 +243,9 @@ class Executor:
         mesh, key = self.devices.mesh(desc)
         compiled = self.exes.get(op["exe"], mesh, key, op["in_specs"], op["out_specs"])
         results = compiled(*[e.value for e in entries])
-        if mesh.devices.size > 1:
-            # XLA's CPU collectives deadlock when many multi-device launches are in flight.
-            jax.block_until_ready(results)
+        # One launch at a time: XLA's CPU collectives deadlock when many multi-device launches are in
+        # flight, and blocking makes the island time charged to each tenant (and traced) real.
+        jax.block_until_ready(results)
         for slot, value in zip(op["out"], results):
             self.table.put(run.rid(slot), run.tenant, value)
         return True

@@ -18,9 +18,9 @@ import ray
 
 from pathways import wire
 from pathways.errors import PathwaysError, WireFormatError, from_wire
+from pathways.names import CLIENT_ID_BITS, host_name, scheduler_name
 from resource_manager.buffers import BufferTable, Failure
 from resource_manager.executables import ExecutableCache
-from pathways.names import CLIENT_ID_BITS, host_name
 
 TEMPLATE_CACHE = 256
 
@@ -35,6 +35,7 @@ class Host:
         self._next_seq = 0
         self._templates: dict[bytes, dict] = {}
         self._peers: dict[tuple[int, int], Any] = {}
+        self._scheduler_handle: Any = None
         self.table = BufferTable(self._cond)
         self.exes = ExecutableCache()
         self.executor = None
@@ -60,9 +61,14 @@ class Host:
 
         self.devices = LocalDevices(self.index)
         self.executor = Executor(self.island, self.index, self.devices, self.table, self.exes, self._cond,
-                                 self._peer, strict=self.n_hosts > 1, op_timeout=self.op_timeout)
+                                 self._peer, self._scheduler, strict=self.n_hosts > 1, op_timeout=self.op_timeout)
         return {"island": self.island, "host": self.index, "pid": os.getpid(),
                 "node": ray.get_runtime_context().get_node_id(), "devices": self.devices.describe()}
+
+    def _scheduler(self) -> Any:
+        if self._scheduler_handle is None:
+            self._scheduler_handle = ray.get_actor(scheduler_name(self.island), namespace=self.namespace)
+        return self._scheduler_handle
 
     def _peer(self, island: int, host: int) -> Any:
         handle = self._peers.get((island, host))
@@ -72,15 +78,19 @@ class Host:
         return handle
 
     # -- the island scheduler's ordered stream ----------------------------------------------------
-    def enqueue(self, seq: int, payload: bytes, refs: list | None = None) -> None:
-        """Accept the message with sequence number ``seq``; it is admitted once all before it are."""
+    def enqueue(self, seq: int, payload: bytes, refs: list | None = None, refusal: list | None = None) -> None:
+        """Accept the message with sequence number ``seq``; it is admitted once all before it are.
+
+        A message the scheduler refused (``refusal`` = [kind, message]) is admitted as a run whose every
+        output fails with that error, so the client learns why instead of waiting.
+        """
         msg = wire.decode(payload, "call", "put", "free")
         template = self._template(msg["template"]) if msg["kind"] == "call" else None
-        values = ray.get(refs, timeout=self.op_timeout) if refs else []
+        values = ray.get(refs, timeout=self.op_timeout) if refs and refusal is None else []
         with self._cond:
             if seq < self._next_seq or seq in self._pending:
                 raise WireFormatError(f"sequence number {seq} was already admitted on island {self.island}")
-            self._pending[seq] = (msg, template, values)
+            self._pending[seq] = (msg, template, values, refusal)
             while self._next_seq in self._pending:
                 self._admit(self._next_seq, *self._pending.pop(self._next_seq))
                 self._next_seq += 1
@@ -94,10 +104,20 @@ class Host:
             self._templates[blob] = template
         return template
 
-    def _admit(self, seq: int, msg: dict, template: dict | None, values: list) -> None:
+    def _admit(self, seq: int, msg: dict, template: dict | None, values: list, refusal: list | None) -> None:
         from resource_manager.executor import Run
 
         tenant = msg["tenant"]
+        if refusal is not None:
+            if msg["kind"] == "put":
+                ops = [{"op": "put", "id": msg["id"]}]
+                run = Run(seq, tenant, "put", ops, {})
+            else:
+                run = Run(seq, tenant, template["program"], template["ops"], template["slices"],
+                          template["n_inputs"], msg["base"], msg["inputs"])
+            run.refusal = Failure(*refusal)
+            self.executor.admit(run)
+            return
         if msg["kind"] == "free":
             self.table.free(msg["ids"], tenant)
             if msg.get("everything"):

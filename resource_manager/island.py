@@ -7,9 +7,9 @@ from typing import Any
 
 import ray
 
+from pathways.names import host_name, scheduler_name
 from pathways.topology import Topology
 from resource_manager.host import Host
-from pathways.names import host_name, scheduler_name
 from resource_manager.scheduler import Scheduler
 
 

@@ -1,34 +1,41 @@
 """The resource manager: a named, detached Ray actor that outlives clients.
 
-It starts the islands, records hosts, devices, health, clients and slice
-allocations, and places virtual slices. Every client of the cluster talks to
-the same one, so a second process sees the same islands and allocations.
-Requests and replies are msgpack control messages.
+It starts the islands, records hosts, devices, health, tenants, clients and
+slice allocations, places virtual slices (within each tenant's device quota),
+tells each island's scheduler which slices and clients belong to which
+tenant, and reclaims everything a client held once its lease dies. Requests
+and replies are msgpack control messages.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
+import threading
 import time
 from typing import Any
 
 import ray
 
 from pathways import wire
-from pathways.errors import PathwaysError, ResourceError, to_wire
+from pathways.errors import ResourceError, TenantAccessError, to_wire
 from pathways.topology import Topology
 from resource_manager.island import start_islands
 from resource_manager.placement import Allocation, Inventory, place
 
 PING_TIMEOUT = 2.0
+LEASE_PERIOD = 1.0
+log = logging.getLogger(__name__)
 
 
 def reply(fn):
     """Wrap a method so it answers a msgpack reply, with the error (if any) as (kind, message)."""
 
-    def wrapper(self, payload: bytes = b"") -> bytes:
+    def wrapper(self, payload: bytes = b"", *extra: Any) -> bytes:
         try:
-            return wire.encode("reply", {"ok": True, "value": fn(self, payload)})
+            with self._lock:
+                value = fn(self, payload, *extra)
+            return wire.encode("reply", {"ok": True, "value": value})
         except Exception as exc:  # a bad request must never take the manager down
             return wire.encode("reply", {"ok": False, "value": list(to_wire(exc))})
 
@@ -38,44 +45,102 @@ def reply(fn):
 
 
 class ResourceManager:
-    def __init__(self, topology: dict, namespace: str, op_timeout: float, start_timeout: float) -> None:
+    def __init__(self, topology: dict, namespace: str, op_timeout: float, start_timeout: float,
+                 default_quota: int | None = None) -> None:
         self.topology = Topology.from_wire(topology)
         self.namespace = namespace
         self.started = time.time()
         self.islands = start_islands(self.topology, namespace, op_timeout, start_timeout)
         self.inventory = Inventory(self.topology)
         self.clients: dict[int, dict] = {}
+        self.leases: dict[int, Any] = {}
+        self.tenants: dict[str, dict] = {}
+        self.default_quota = default_quota
+        self.reclaimed: list[dict] = []
         self._client_ids = itertools.count(1)
         self._slice_ids = itertools.count(1)
+        self._lock = threading.RLock()
+        threading.Thread(target=self._watch_leases, name="lease-watch", daemon=True).start()
+
+    def _schedulers(self, method: str, *args: Any) -> None:
+        ray.get([getattr(i.scheduler, method).remote(*args) for i in self.islands], timeout=PING_TIMEOUT * 5)
 
     @reply
     def ready(self, payload: bytes) -> dict:
         return self._state()
 
     @reply
-    def register(self, payload: bytes) -> dict:
+    def register(self, payload: bytes, lease: Any = None) -> dict:
         """A new client session: returns its id, the prefix of every buffer id it mints."""
         msg = wire.decode(payload, "register")
-        client = next(self._client_ids)
-        self.clients[client] = {"tenant": msg["tenant"], "pid": msg["pid"], "weight": msg["weight"],
-                                "since": time.time()}
+        client, tenant = next(self._client_ids), msg["tenant"]
+        self.clients[client] = {"tenant": tenant, "pid": msg["pid"], "since": time.time()}
+        self.leases[client] = lease
+        info = self.tenants.setdefault(tenant, {"weight": msg["weight"], "quota": self.default_quota})
+        info["weight"] = msg["weight"]
+        self._schedulers("grant_client", client, tenant)
+        self._schedulers("set_weight", tenant, msg["weight"])
         return {"client": client, "topology": self.topology.to_wire()}
 
     @reply
     def unregister(self, payload: bytes) -> None:
-        client = wire.decode(payload, "unregister")["client"]
-        self.clients.pop(client, None)
-        for key in [k for k, a in self.inventory.allocations.items() if a.client == client]:
+        self._forget(wire.decode(payload, "unregister")["client"], free_buffers=False)
+
+    def _forget(self, client: int, free_buffers: bool) -> dict:
+        info = self.clients.pop(client, None)
+        self.leases.pop(client, None)
+        keys = [k for k, a in self.inventory.allocations.items() if a.client == client]
+        for key in keys:
             del self.inventory.allocations[key]
+        self._schedulers("revoke", keys)
+        if free_buffers and info is not None:
+            message = wire.encode("free", {"tenant": info["tenant"], "client": client, "ids": [],
+                                           "everything": True})
+            for island in self.islands:
+                if island.index not in self.inventory.unhealthy:
+                    island.scheduler.submit.remote(message)
+        self._schedulers("revoke_client", client)
+        return {"client": client, "tenant": info["tenant"] if info else None, "slices": keys}
+
+    def _watch_leases(self) -> None:
+        """Reclaim the slices and buffers of every client whose process is gone."""
+        while True:
+            time.sleep(LEASE_PERIOD)
+            with self._lock:
+                leases = {c: lease for c, lease in self.leases.items() if lease is not None}
+            pings = {c: lease.ping.remote() for c, lease in leases.items()}
+            ray.wait(list(pings.values()), num_returns=len(pings), timeout=PING_TIMEOUT)
+            for client, ref in pings.items():
+                try:
+                    ray.get(ref, timeout=0)
+                except ray.exceptions.GetTimeoutError:
+                    continue
+                except Exception:  # the lease died with its client process
+                    with self._lock:
+                        if client in self.clients:
+                            record = self._forget(client, free_buffers=True)
+                            record["at"] = time.time()
+                            self.reclaimed.append(record)
+                            log.warning("reclaimed client %s of tenant %s", client, record["tenant"])
 
     @reply
     def allocate(self, payload: bytes) -> dict:
         msg = wire.decode(payload, "allocate")
-        shape, axes = tuple(msg["shape"]), tuple(msg["axes"])
+        tenant, shape, axes = msg["tenant"], tuple(msg["shape"]), tuple(msg["axes"])
+        if self.clients.get(msg["client"], {}).get("tenant") != tenant:
+            raise TenantAccessError(f"client {msg['client']} is not registered for tenant {tenant!r}")
         island, devices = place(self.inventory, shape, axes, msg["island"])
-        alloc = Allocation(f"s{next(self._slice_ids)}", msg["tenant"], msg["client"], island, shape, axes, devices)
+        quota = self.tenants.get(tenant, {}).get("quota")
+        held = sum(len(a.devices) for a in self.inventory.allocations.values() if a.tenant == tenant)
+        if quota is not None and held + len(devices) > quota:
+            raise ResourceError(f"tenant {tenant!r} asked for a slice of shape {shape} ({len(devices)} devices) "
+                                f"but holds {held} of its quota of {quota} devices; release a slice first")
+        alloc = Allocation(f"s{next(self._slice_ids)}", tenant, msg["client"], island, shape, axes, devices)
+        wire_alloc = alloc.to_wire()
+        ray.get(self.islands[island].scheduler.grant.remote(alloc.key, tenant, wire_alloc),
+                timeout=PING_TIMEOUT * 5)
         self.inventory.allocations[alloc.key] = alloc
-        return alloc.to_wire()
+        return wire_alloc
 
     @reply
     def release(self, payload: bytes) -> None:
@@ -84,8 +149,14 @@ class ResourceManager:
         if alloc is None:
             return
         if alloc.tenant != msg["tenant"]:
-            raise PathwaysError(f"slice {msg['slice']} is not owned by tenant {msg['tenant']!r}")
+            raise TenantAccessError(f"slice {msg['slice']} is not owned by tenant {msg['tenant']!r}")
         del self.inventory.allocations[msg["slice"]]
+        self.islands[alloc.island].scheduler.revoke.remote([msg["slice"]])
+
+    @reply
+    def set_quota(self, payload: bytes) -> None:
+        msg = wire.decode(payload, "quota")
+        self.tenants.setdefault(msg["tenant"], {"weight": 1.0, "quota": None})["quota"] = msg["devices"]
 
     @reply
     def mark_unhealthy(self, payload: bytes) -> None:
@@ -113,6 +184,12 @@ class ResourceManager:
                     break
 
     def _state(self) -> dict[str, Any]:
+        devices: dict[str, int] = {}
+        for a in self.inventory.allocations.values():
+            devices[a.tenant] = devices.get(a.tenant, 0) + len(a.devices)
+        tenants = {t: {**info, "devices": devices.get(t, 0),
+                       "clients": sum(1 for c in self.clients.values() if c["tenant"] == t)}
+                   for t, info in self.tenants.items()}
         return {
             "topology": self.topology.to_wire(),
             "started": self.started,
@@ -121,4 +198,6 @@ class ResourceManager:
                         for i in self.islands],
             "allocations": [a.to_wire() for a in self.inventory.allocations.values()],
             "clients": {str(k): v for k, v in self.clients.items()},
+            "tenants": tenants,
+            "reclaimed": self.reclaimed[-20:],
         }

@@ -1,44 +1,149 @@
 """An island's scheduler: one total order over every client's fragments, handed to every host.
 
 It is a plain (single-threaded) Ray actor, so messages from one client keep
-their order; it validates each message, stamps it with the next sequence
-number, and forwards it to all hosts of the island without waiting. Hosts
-admit messages strictly by that number, so collectives launched by two
+their order. Each message is validated and checked against the slices its
+tenant owns, then queued per tenant. Up to ``window`` fragments are in flight
+on the island; the next one comes from the tenant with the lowest *pass*
+(stride scheduling: a tenant's pass grows by the island time it used divided
+by its weight), so busy tenants share the island in proportion to their
+weights. Each forwarded message gets the next sequence number and goes to
+all hosts, which admit strictly by that number: collectives launched by two
 clients on the same hosts can never interleave differently on two hosts.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 from pathways import wire
+from pathways.errors import TenantAccessError, to_wire
+from pathways.names import CLIENT_ID_BITS
 
 TEMPLATE_CACHE = 256
+FIRST_ESTIMATE_S = 1e-3
 
 
 class Scheduler:
-    def __init__(self, island: int, hosts: list[Any]) -> None:
+    def __init__(self, island: int, hosts: list[Any], window: int = 16) -> None:
         self.island = island
         self._hosts = hosts
+        self.window = window
         self._seq = 0
-        self._templates: dict[bytes, None] = {}
-        self._by_tenant: dict[str, int] = {}
+        self._templates: dict[bytes, dict] = {}
+        self._grants: dict[str, tuple[str, dict]] = {}
+        self._clients: dict[int, str] = {}
+        self._weights: dict[str, float] = {}
+        self._queues: dict[str, deque] = {}
+        self._pass: dict[str, float] = {}
+        self._estimate: dict[str, float] = {}
+        self._inflight: dict[int, tuple[str, float]] = {}
+        self._blocked: dict[int, tuple[str, float]] = {}
+        self._time: dict[str, float] = {}
+        self._fragments: dict[str, int] = {}
 
-    def submit(self, payload: bytes, refs: list | None = None) -> int:
-        """Order one message (fragment call, put or free); returns its sequence number."""
+    # -- ownership and weights (set by the resource manager) ------------------------------------
+    def grant(self, key: str, tenant: str, desc: dict) -> None:
+        self._grants[key] = (tenant, desc)
+
+    def grant_client(self, client: int, tenant: str) -> None:
+        self._clients[client] = tenant
+
+    def revoke_client(self, client: int) -> None:
+        self._clients.pop(client, None)
+
+    def revoke(self, keys: list[str]) -> None:
+        for key in keys:
+            self._grants.pop(key, None)
+
+    def set_weight(self, tenant: str, weight: float) -> None:
+        self._weights[tenant] = max(float(weight), 1e-6)
+
+    # -- the ordered stream ---------------------------------------------------------------------
+    def submit(self, payload: bytes, refs: list | None = None) -> None:
+        """Queue one message (fragment call, put or free) for its tenant; forward what the window allows."""
         msg = wire.decode(payload, "call", "put", "free")
-        if msg["kind"] == "call" and msg["template"] not in self._templates:
-            wire.decode(msg["template"], "template")
+        refusal = self._check(msg)
+        tenant = msg["tenant"]
+        queue = self._queues.get(tenant)
+        if queue is None:
+            queue = self._queues[tenant] = deque()
+        if not queue:  # a tenant waking up starts at the current virtual time, not in the past
+            active = [self._pass[t] for t, q in self._queues.items() if q]
+            self._pass[tenant] = max(self._pass.get(tenant, 0.0), min(active, default=0.0))
+        queue.append((payload, refs, refusal, msg["kind"] == "call"))
+        self._pump()
+
+    def _check(self, msg: dict) -> list[str] | None:
+        """None if the tenant owns every slice the message names, else the refusal to hand the hosts."""
+        tenant, client = msg["tenant"], msg["client"]
+        if self._clients.get(client) != tenant:
+            return list(to_wire(TenantAccessError(f"client {client} is not registered for tenant {tenant!r}")))
+        if msg["kind"] == "free":
+            return None
+        if msg["kind"] == "put":
+            slices = {msg["slice"]["key"]: msg["slice"]}
+            first, last = msg["id"], msg["id"]
+        else:
+            template = self._template(msg["template"])
+            slices = template["slices"]
+            first, last = msg["base"], msg["base"] + max(template["n_values"] - 1, 0)
+        if first >> CLIENT_ID_BITS != client or last >> CLIENT_ID_BITS != client:
+            return list(to_wire(TenantAccessError(f"client {client} minted buffer ids outside its own id space")))
+        for key, desc in slices.items():
+            grant = self._grants.get(key)
+            if grant is None or grant[0] != tenant or grant[1]["devices"] != desc["devices"]:
+                exc = TenantAccessError(f"slice {key} on island {self.island} is not owned by tenant "
+                                        f"{tenant!r}; a program may only run on its own slices")
+                return list(to_wire(exc))
+        return None
+
+    def _template(self, blob: bytes) -> dict:
+        template = self._templates.get(blob)
+        if template is None:
+            template = wire.decode(blob, "template")
             if len(self._templates) >= TEMPLATE_CACHE:
                 self._templates.pop(next(iter(self._templates)))
-            self._templates[msg["template"]] = None
-        seq = self._seq
-        self._seq += 1
-        tenant = msg["tenant"]
-        self._by_tenant[tenant] = self._by_tenant.get(tenant, 0) + 1
-        for host in self._hosts:
-            host.enqueue.remote(seq, payload, refs)
-        return seq
+            self._templates[blob] = template
+        return template
+
+    def _pump(self) -> None:
+        while len(self._inflight) < self.window:
+            ready = [t for t, q in self._queues.items() if q]
+            if not ready:
+                return
+            tenant = min(ready, key=lambda t: (self._pass[t], t))
+            payload, refs, refusal, counts = self._queues[tenant].popleft()
+            seq = self._seq
+            self._seq += 1
+            for host in self._hosts:
+                host.enqueue.remote(seq, payload, refs, refusal)
+            if counts and refusal is None:
+                estimate = self._estimate.get(tenant, FIRST_ESTIMATE_S)
+                self._pass[tenant] += estimate / self._weights.get(tenant, 1.0)
+                self._inflight[seq] = (tenant, estimate)
+                self._fragments[tenant] = self._fragments.get(tenant, 0) + 1
+
+    def completed(self, reports: list[list]) -> None:
+        """Hosts report (seq, island seconds) for finished fragments; charge them to their tenants."""
+        for seq, busy in reports:
+            entry = self._inflight.pop(seq, None) or self._blocked.pop(seq, None)
+            if entry is None:
+                continue
+            tenant, estimate = entry
+            self._time[tenant] = self._time.get(tenant, 0.0) + busy
+            self._pass[tenant] += (busy - estimate) / self._weights.get(tenant, 1.0)
+            self._estimate[tenant] = 0.8 * self._estimate.get(tenant, busy) + 0.2 * busy
+        self._pump()
+
+    def blocked(self, seqs: list[int]) -> None:
+        """Fragments waiting on another island's transfer leave the window, so islands never wait on
+        each other's windows (which could deadlock two islands exchanging data)."""
+        for seq in seqs:
+            entry = self._inflight.pop(seq, None)
+            if entry is not None:
+                self._blocked[seq] = entry
+        self._pump()
 
     def warm(self) -> None:
         """Resolve the host handles once, so the first real message is not delayed."""
@@ -47,4 +152,7 @@ class Scheduler:
         ray.get([h.ping.remote() for h in self._hosts])
 
     def stats(self) -> dict:
-        return {"island": self.island, "sequenced": self._seq, "by_tenant": dict(self._by_tenant)}
+        return {"island": self.island, "sequenced": self._seq, "window": self.window,
+                "queued": sum(len(q) for q in self._queues.values()), "inflight": len(self._inflight),
+                "blocked": len(self._blocked), "tenant_time_s": dict(self._time),
+                "fragments": dict(self._fragments), "weights": dict(self._weights)}

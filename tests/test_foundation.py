@@ -142,13 +142,13 @@ def test_garbage_messages_are_refused_and_hosts_keep_serving(cluster):
 
 def test_second_process_sees_the_same_cluster(cluster):
     with pw.slice((3,), ("x",), island=1) as mine:
-        script = textwrap.dedent(f"""
+        script = textwrap.dedent("""
             import json, pathways as pw
             pw.init(address="auto")
             st = pw.status()
             other = pw.slice((1,), ("x",), island=0)
-            print(json.dumps({{"islands": len(st.islands), "keys": [a["key"] for a in st.allocations],
-                              "topology": str(st.topology), "other": other.key}}))
+            print(json.dumps({"islands": len(st.islands), "keys": [a["key"] for a in st.allocations],
+                              "topology": str(st.topology), "other": other.key}))
             pw.shutdown()
         """)
         env = dict(os.environ, RAY_ADDRESS=ray.get_runtime_context().gcs_address)

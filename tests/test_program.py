@@ -108,7 +108,7 @@ def test_transfers_between_specs_and_mesh_shapes(cluster):
         shape_b, axes_b, spec_b = layouts[(k + 1) % len(layouts)]
         with pw.slice(shape_a, axes_a, island=0) as sa, pw.slice(shape_b, axes_b, island=1) as sb:
             ident = pw.jit(lambda v: v + 0.0, slice=sb, in_specs=(spec_b,), out_specs=spec_b)
-            moved = pw.program(lambda v: ident(v))(pw.put(x, sa, spec_a))
+            moved = pw.program(lambda v, f=ident: f(v))(pw.put(x, sa, spec_a))
             assert moved.spec == spec_b and moved.slice is sb
             np.testing.assert_array_equal(np.asarray(moved), x)
 

@@ -1,0 +1,243 @@
+"""PaLM's pipeline-free training step as one ``@pw.program`` over one or two pods.
+
+Each pod is an island with its own ("data", "model") slice. Every pod runs the
+staged backward (``model.head_forward_backward`` then ``model.stage_backward``
+group by group) on its share of the global batch, sends each piece of its
+gradients to the other pod, and applies the optimizer to the sum of all pods'
+gradients, in the same argument order everywhere, so every pod computes
+bitwise-identical parameters.
+
+With ``overlap=True`` each piece is sent (``pw.transfer``) as soon as the
+backward produced it, so the exchange runs while the next layer group's
+backward computes. With ``overlap=False`` the exchange follows the whole
+backward, as PaLM ran it.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import PartitionSpec as P
+
+import pathways as pw
+from examples.palm import model, optim
+from examples.palm.config import PalmConfig
+
+DATA, MODEL = "data", "model"
+ACT = P(DATA)  # activations and their cotangents: [batch, seq, d_model] split over the batch
+METRICS = ("loss", "cross_entropy", "z_loss", "accuracy")
+
+
+def _is_spec(x: object) -> bool:
+    return isinstance(x, P)
+
+
+def opt_state_specs(opt_state: Any, params: Any, specs: Any) -> Any:
+    """Specs for an optax state: a leaf shaped like a parameter (found by path suffix) takes its spec.
+
+    Adafactor's unfactored second moment and momentum mirror the params; counts
+    and factored row/column statistics are small and stay replicated.
+    """
+    by_path = {}
+    for (path, leaf), spec in zip(jax.tree_util.tree_flatten_with_path(params)[0],
+                                  jax.tree.leaves(specs, is_leaf=_is_spec)):
+        by_path[tuple(path)] = (tuple(np.shape(leaf)), spec)
+
+    def spec_of(path: tuple, leaf: Any) -> P:
+        for start in range(len(path)):
+            hit = by_path.get(tuple(path[start:]))
+            if hit is not None and hit[0] == tuple(np.shape(leaf)):
+                return hit[1]
+        return P()
+
+    return jax.tree_util.tree_map_with_path(spec_of, opt_state)
+
+
+@dataclass(frozen=True)
+class Functions:
+    """The step's compiled pieces. They have no slice: each runs on the pod of its first argument."""
+
+    embed_forward: pw.CompiledFunction
+    stage_forward: dict[int, pw.CompiledFunction]  # by group length
+    head: pw.CompiledFunction
+    stage_backward: dict[int, pw.CompiledFunction]
+    embed_backward: pw.CompiledFunction
+    apply: dict[int, pw.CompiledFunction]  # by number of pods
+    eval_loss: pw.CompiledFunction
+    param_specs: Any
+    opt_specs: Any
+
+
+@functools.lru_cache(maxsize=8)
+def functions(config: PalmConfig, optim_config: optim.OptimConfig) -> Functions:
+    """Build (once per config) the pw.jit functions; their exports are shared by every slice of shape (2, 2)."""
+    shapes = jax.eval_shape(lambda k: model.init_params(config, k), jax.random.key(0))
+    specs = model.param_specs(shapes, DATA, MODEL)
+    opt_shapes = jax.eval_shape(lambda p: optim.init_opt_state(p, optim_config), shapes)
+    opt_specs = opt_state_specs(opt_shapes, shapes, specs)
+    layer_spec = specs["layers"][0]
+    head_specs = model.head_params(specs)
+    batch_specs = model.batch_spec(DATA)
+    sizes = sorted({stop - start for start, stop in config.group_bounds()})
+
+    def head(h: dict, x: jax.Array, targets: jax.Array) -> tuple:
+        metrics, grads, cot = model.head_forward_backward(h, x, targets, config)
+        return jnp.stack([metrics[k] for k in METRICS]), grads, cot
+
+    def grads_specs(n_groups: Sequence[int]) -> dict:
+        return {"lookup": P(), "head": head_specs, "groups": [[layer_spec] * n for n in n_groups]}
+
+    group_sizes = [stop - start for start, stop in config.group_bounds()]
+
+    def apply(params: dict, opt_state: Any, *pod_grads: dict) -> tuple:
+        merged = [model.merge_group_grads({"embed": g["head"]["embed"] + g["lookup"],
+                                           "final_norm": g["head"]["final_norm"], "groups": g["groups"]})
+                  for g in pod_grads]
+        n = len(merged)
+        grads = jax.tree.map(lambda *xs: functools.reduce(operator.add, xs) / n, *merged)
+        new_params, new_state = optim.apply_update(params, opt_state, grads, optim_config)
+        return new_params, new_state, optax.global_norm(grads)
+
+    def eval_loss(params: dict, batch: dict) -> jax.Array:
+        metrics = model.loss_fn(params, batch, config)[1]
+        return jnp.stack([metrics[k] for k in METRICS])
+
+    def per_size(fn: Any, name: str, extra: tuple, out: Any) -> dict[int, pw.CompiledFunction]:
+        return {n: pw.jit(fn, in_specs=([layer_spec] * n, *extra), out_specs=out(n), name=f"{name}{n}")
+                for n in sizes}
+
+    return Functions(
+        embed_forward=pw.jit(lambda e, t: model.embed_forward(e, t, config), in_specs=(P(), P(DATA)),
+                             out_specs=ACT, name="embed_forward"),
+        stage_forward=per_size(lambda g, x: model.stage_forward(g, x, config), "stage_forward", (ACT,),
+                               lambda n: ACT),
+        head=pw.jit(head, in_specs=(head_specs, ACT, P(DATA)), out_specs=(P(), head_specs, ACT),
+                    name="head_forward_backward"),
+        stage_backward=per_size(lambda g, x, c: model.stage_backward(g, x, c, config), "stage_backward",
+                                (ACT, ACT), lambda n: ([layer_spec] * n, ACT)),
+        embed_backward=pw.jit(lambda t, c: model.embed_backward(t, c, config), in_specs=(P(DATA), ACT),
+                              out_specs=P(), name="embed_backward"),
+        apply={pods: pw.jit(apply, in_specs=(specs, opt_specs) + (grads_specs(group_sizes),) * pods,
+                            out_specs=(specs, opt_specs, P()), name=f"apply_{pods}pod")
+               for pods in (1, 2)},
+        eval_loss=pw.jit(eval_loss, in_specs=(specs, batch_specs), out_specs=P(), name="eval_loss"),
+        param_specs=specs,
+        opt_specs=opt_specs,
+    )
+
+
+@dataclass
+class PodState:
+    """Parameters and optimizer state, one copy per pod (pw.Array pytrees)."""
+
+    params: list
+    opt_state: list
+
+
+class TrainStep:
+    """The step program bound to one slice per pod. Call it with a PodState and a global numpy batch."""
+
+    def __init__(self, config: PalmConfig, optim_config: optim.OptimConfig, slices: Sequence[pw.VirtualSlice],
+                 overlap: bool = True) -> None:
+        if len(slices) not in (1, 2):
+            raise ValueError(f"PaLM's step runs on one or two pods, got {len(slices)} slices")
+        for s in slices:
+            if s.axis_names != (DATA, MODEL):
+                raise ValueError(f"each pod needs a ({DATA!r}, {MODEL!r}) slice, got {s}")
+        self.config, self.optim_config = config, optim_config
+        self.slices = list(slices)
+        self.overlap = overlap
+        self.fns = functions(config, optim_config)
+        self.program = pw.program(self._step)
+        self.program.name = f"palm_step_{len(slices)}pod" + ("_overlap" if overlap and len(slices) > 1 else "")
+
+    @property
+    def pods(self) -> int:
+        return len(self.slices)
+
+    # -- placing values ---------------------------------------------------------------------------
+    def put_state(self, params: Any, opt_state: Any) -> PodState:
+        """The same host values on every pod, sharded by the in-pod specs."""
+        def put_tree(tree: Any, specs: Any, s: pw.VirtualSlice) -> Any:
+            return jax.tree.map(lambda x, spec: pw.put(np.asarray(x), s, spec), tree, specs)
+
+        fns = self.fns
+        return PodState([put_tree(params, fns.param_specs, s) for s in self.slices],
+                        [put_tree(opt_state, fns.opt_specs, s) for s in self.slices])
+
+    def put_batch(self, batch: dict[str, np.ndarray]) -> list[dict]:
+        """Split the global batch by rows: pod p gets the p-th contiguous share."""
+        size = batch["inputs"].shape[0]
+        if size % (2 * self.pods):
+            raise ValueError(f"global batch {size} must divide into {self.pods} pod(s) x 2 data shards")
+        share = size // self.pods
+        spec = P(DATA)
+        return [{k: pw.put(v[p * share:(p + 1) * share], s, spec) for k, v in batch.items()}
+                for p, s in enumerate(self.slices)]
+
+    def __call__(self, state: PodState, batch: dict[str, np.ndarray]) -> tuple[PodState, list, list]:
+        """One training step; returns (new state, per-pod metric vectors [METRICS], per-pod grad norms)."""
+        params, opt_state, metrics, norms = self.program(state.params, state.opt_state, self.put_batch(batch))
+        return PodState(params, opt_state), metrics, norms
+
+    # -- the program --------------------------------------------------------------------------------
+    def _backward(self, params: dict, batch: dict) -> Iterator[tuple[Any, Any]]:
+        """One pod's forward and staged backward, yielding (key, gradient piece) as each piece is computed.
+
+        The head's piece comes with the metrics: ("head", (metrics, head grads)).
+        """
+        fns, config = self.fns, self.config
+        groups = model.split_groups(params["layers"], config)
+        xs = [fns.embed_forward(params["embed"], batch["inputs"])]
+        for group in groups:
+            xs.append(fns.stage_forward[len(group)](group, xs[-1]))
+        metrics, head_grads, cot = fns.head(model.head_params(params), xs.pop(), batch["targets"])
+        yield "head", (metrics, head_grads)
+        for g in reversed(range(len(groups))):
+            group_grads, cot = fns.stage_backward[len(groups[g])](groups[g], xs[g], cot)
+            yield g, group_grads
+        yield "lookup", fns.embed_backward(batch["inputs"], cot)
+
+    def _send(self, pod: int, tree: Any) -> None:
+        for q in range(self.pods):
+            if q != pod:
+                pw.transfer(tree, self.slices[q])
+
+    def _step(self, params: list, opt_state: list, batch: list) -> tuple:
+        pods = range(self.pods)
+        pieces: list[dict] = [{} for _ in pods]
+        # The pods' backward passes advance stage by stage together; with overlap, each stage's pieces
+        # are sent before the next stage is traced, so the sends run during the next stage's compute.
+        for stage in zip(*[self._backward(params[p], batch[p]) for p in pods]):
+            for p, (key, piece) in enumerate(stage):
+                pieces[p][key] = piece
+            if self.overlap:
+                for p, (key, piece) in enumerate(stage):
+                    self._send(p, piece[1] if key == "head" else piece)
+        metrics = [pieces[p]["head"][0] for p in pods]
+        grads = [{"head": pieces[p]["head"][1], "lookup": pieces[p]["lookup"],
+                  "groups": [pieces[p][g] for g in range(self.config.layer_groups)]} for p in pods]
+        if not self.overlap:
+            for p in pods:
+                self._send(p, grads[p])
+        # Same argument order on every pod (pod 0's grads, then pod 1's), so the sums are bitwise equal.
+        # pw.transfer of a value already moved returns that move: the sends above are not repeated.
+        outs = [self.fns.apply[self.pods](params[q], opt_state[q],
+                                          *[pw.transfer(grads[p], self.slices[q]) for p in pods])
+                for q in pods]
+        return [o[0] for o in outs], [o[1] for o in outs], metrics, [o[2] for o in outs]
+
+    # -- evaluation -------------------------------------------------------------------------------
+    def eval_metrics(self, state: PodState, batch: dict[str, np.ndarray]) -> pw.Array:
+        """Metric vector [METRICS] of pod 0's parameters on a batch (every pod holds the same parameters)."""
+        s = self.slices[0]
+        placed = {k: pw.put(v, s, P(DATA)) for k, v in batch.items()}
+        return self.fns.eval_loss(state.params[0], placed)

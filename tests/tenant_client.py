@@ -1,0 +1,85 @@
+"""A client process for the multi-tenancy tests: `hold`, `attack` or `load`, as one tenant.
+
+Run as ``python tests/tenant_client.py MODE TENANT [args]`` with RAY_ADDRESS set; prints JSON lines.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+import pathways as pw
+from client.array import Array
+from client.slices import VirtualSlice
+
+
+def emit(**kw) -> None:
+    print(json.dumps(kw), flush=True)
+
+
+def hold(tenant: str) -> None:
+    session = pw.init(tenant=tenant)
+    s = pw.slice((2,), ("x",), island=0)
+    arrays = [pw.put(np.full(8, i, np.float32), s) for i in range(5)]
+    arrays[-1].block_until_ready()
+    emit(client=session.client_id, slice=s.key, ids=[a.id for a in arrays])
+    time.sleep(600)  # until the test kills this process
+
+
+def attack(tenant: str, victim_id: int, victim_slice: str) -> None:
+    session = pw.init(tenant=tenant, timeouts=pw.Timeouts(fetch=20.0))
+    mine = pw.slice((2,), ("x",), island=0)
+    forged = Array(session, victim_id, (4,), np.float32, mine, P(), frozenset({0}))
+    outcome = {}
+
+    def attempt(name, fn):
+        try:
+            outcome[name] = f"no error: {fn()!r}"
+        except pw.PathwaysError as exc:
+            outcome[name] = f"{type(exc).__name__}: {exc}"
+
+    attempt("fetch", lambda: forged.fetch().tolist())
+    double = pw.jit(lambda v: v * 2.0, slice=mine)
+    attempt("compute", lambda: double(forged).fetch().tolist())
+    victim = next(a for a in pw.status().allocations if a["key"] == victim_slice)
+    stolen = VirtualSlice(session, {**victim, "tenant": tenant})
+    attempt("put_on_slice", lambda: pw.put(np.zeros(4, np.float32), stolen).fetch().tolist())
+    attempt("run_on_slice", lambda: pw.jit(lambda: np.float32(1.0), slice=stolen)().fetch().tolist())
+    forged = None  # dropping the handle frees its id, which must not touch the victim's buffer
+    session.frees.flush()
+    emit(**outcome)
+    pw.shutdown()
+
+
+def load(tenant: str, weight: float, start_at: float, seconds: float) -> None:
+    pw.init(tenant=tenant, weight=weight)
+    s = pw.slice((2,), ("x",), island=0)
+    f = pw.jit(lambda m: jax.lax.fori_loop(0, 8, lambda i, a: jnp.tanh(a @ m), m), slice=s,
+               in_specs=(P("x"),), out_specs=P("x"))  # ~10 ms of island time: the island is the bottleneck
+    m = pw.put(np.eye(384, dtype=np.float32), s, P("x"))
+    f(m).block_until_ready()
+    time.sleep(max(0.0, start_at - time.time()))
+    outstanding, calls = [], 0
+    while time.time() < start_at + seconds:
+        outstanding.append(f(m))
+        calls += 1
+        if len(outstanding) > 64:
+            outstanding.pop(0).block_until_ready()
+    emit(tenant=tenant, calls=calls)
+    pw.shutdown()
+
+
+if __name__ == "__main__":
+    mode, tenant = sys.argv[1], sys.argv[2]
+    if mode == "hold":
+        hold(tenant)
+    elif mode == "attack":
+        attack(tenant, int(sys.argv[3]), sys.argv[4])
+    else:
+        load(tenant, float(sys.argv[3]), float(sys.argv[4]), float(sys.argv[5]))

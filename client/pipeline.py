@@ -1,4 +1,4 @@
-"""Pipeline parallelism across islands, built only on the public API (pw.jit, pw.program, pw.put).
+"""Pipeline parallelism across islands, built only on the public API (pw.jit, pw.program, pw.put, pw.transfer).
 
 A model is a stack of stages, each a function ``fn(params, x) -> y`` bound to
 its own virtual slice (usually one per island). ``build`` turns the stack, a
@@ -11,7 +11,7 @@ The schedule is the order in which the program body calls the stage
 functions: lowering keeps that order in each island's fragment and frees every
 intermediate right after its last use there, so GPipe (all forwards, then all
 backwards) holds M micro-batches of activations per stage, while 1F1B holds at
-most S.
+most S. ``Pipeline.memory`` replays the lowered fragments to report that peak.
 
     stages = [pw.pipeline.Stage(layer_fn, pw.slice((1,), ("x",), island=k)) for k in range(2)]
     pipe = pw.pipeline.build(stages, loss_fn=mse, optimizer=optax.adam(1e-3), n_micro=8, schedule="1f1b")
@@ -310,6 +310,9 @@ class Pipeline:
         self._fns = [_stage_fns(st, k, k == n - 1, k == 0, loss_fn, optimizer, n_micro, target_spec, remat)
                      for k, st in enumerate(self.stages)]
         self._takes: dict[tuple, CompiledFunction] = {}
+        inits = [jit(optimizer.init, slice=st.slice, in_specs=(st.param_specs,), name=f"stage{k}.opt_init")
+                 for k, st in enumerate(self.stages)]
+        self._init_states = program(lambda ps: [f(p) for f, p in zip(inits, ps)])
         self.step: ProgramFunction = ProgramFunction(self._body, name=f"pipeline_{schedule}_s{n}_m{n_micro}")
 
     @property
@@ -321,7 +324,8 @@ class Pipeline:
 
     def init(self, params: Sequence[Any]) -> tuple[list, list]:
         """Place each stage's params (numpy or jax pytrees) on its slice and initialize its optimizer
-        state there, in one dispatch. Returns ``(params, opt_states)``, lists of ``pw.Array`` pytrees."""
+        state there (one program for all stages). Returns ``(params, opt_states)``, lists of pytrees of
+        ``pw.Array``."""
         if len(params) != self.n_stages:
             raise ProgramError(f"init got params for {len(params)} stages; the pipeline has {self.n_stages}")
         placed = []
@@ -330,10 +334,7 @@ class Pipeline:
             leaves, treedef = jax.tree_util.tree_flatten(tree)
             placed.append(jax.tree_util.tree_unflatten(
                 treedef, [put(np.asarray(v), stage.slice, sp) for v, sp in zip(leaves, specs)]))
-        inits = [jit(self.optimizer.init, slice=st.slice, in_specs=(st.param_specs,), name=f"stage{k}.opt_init")
-                 for k, st in enumerate(self.stages)]
-        opt_states = program(lambda ps: [f(p) for f, p in zip(inits, ps)])(placed)
-        return placed, opt_states
+        return placed, self._init_states(placed)
 
     def memory(self, params: list, opt_states: list, inputs: Array, targets: Array) -> list[StageMemory]:
         """Peak live activations per stage, simulated on the lowered fragments of this step.

@@ -251,6 +251,7 @@ def init(topology: Topology | None = None, address: str | None = None, *, tenant
         owns_ray = False
         if not ray.is_initialized():
             if address:
+                _use_token_auth()
                 ray.init(address=address, namespace=NAMESPACE, logging_level=logging.WARNING)
             else:
                 ray.init(namespace=NAMESPACE, include_dashboard=False, logging_level=logging.WARNING)
@@ -258,6 +259,19 @@ def init(topology: Topology | None = None, address: str | None = None, *, tenant
         rm = _resource_manager(topology, timeouts)
         _session = Session(rm, tenant, weight, timeouts, owns_ray)
         return _session
+
+
+def _use_token_auth() -> None:
+    """Ray 2.60 clusters require token authentication, but only a process that *starts* a cluster turns it
+    on for itself; an attaching process must opt in, or the GCS refuses it. Opt in when a token exists,
+    with Ray's own helper (it also refreshes Ray's cached config), where this Ray version has one."""
+    try:
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+    except ImportError:  # a Ray without token authentication
+        return
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
 
 
 def _resource_manager(topology: Topology | None, timeouts: Timeouts) -> Any:

@@ -20,7 +20,7 @@ def run_scenario(hosts: int) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("hosts", [1])
+@pytest.mark.parametrize("hosts", [1, 2])
 def test_killed_host_fails_pending_outputs_fast(hosts):
     r = run_scenario(hosts)
     assert r["z_on_island0"].startswith("IslandFailedError"), r

@@ -1,0 +1,76 @@
+"""One tenant's training job: linear regression by full-batch gradient descent on a data-parallel
+slice, one ``pw.jit`` step per iteration, dispatched ahead of the losses it prints.
+
+Run it as a Ray job (``pathways submit --tenant NAME -- python train.py``) or directly against a
+running cluster with ``RAY_ADDRESS`` set; the tenant comes from ``PATHWAYS_TENANT``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+import pathways as pw
+
+
+def make_problem(tenant: str, batch: int, features: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A noisy linear problem of its own per tenant (seeded by the name)."""
+    rng = np.random.default_rng(zlib.crc32(tenant.encode()))
+    true_w = rng.normal(size=features).astype(np.float32)
+    x = rng.normal(size=(batch, features)).astype(np.float32)
+    y = (x @ true_w + 0.01 * rng.normal(size=batch)).astype(np.float32)
+    return x, y, true_w
+
+
+def train(steps: int, seconds: float, devices: int, island: int, batch: int, features: int, lr: float,
+          print_every: int) -> float:
+    session = pw.init()  # attaches through RAY_ADDRESS; tenant and weight from the job's environment
+    tenant = session.tenant
+    x, y, true_w = make_problem(tenant, batch, features)
+    with pw.slice((devices,), ("data",), island=island) as s:
+        print(f"[{tenant}] weight {session.weight:g}: slice {s.key} {s.shape} on island {s.island}", flush=True)
+        xs, ys = pw.put(x, s, P("data", None)), pw.put(y, s, P("data"))
+        w = pw.put(np.zeros(features, np.float32), s, P())
+
+        def step(w, x, y):
+            loss, grad = jax.value_and_grad(lambda w: jnp.mean((x @ w - y) ** 2))(w)
+            return w - lr * grad, loss
+
+        sgd = pw.jit(step, slice=s, in_specs=(P(), P("data", None), P("data")), out_specs=(P(), P()))
+        t0, i = time.monotonic(), 0
+        for i in range(1, steps + 1):
+            w, loss = sgd(w, xs, ys)  # futures: the island queues steps while we only wait to print
+            out_of_time = time.monotonic() - t0 > seconds
+            if i % print_every == 0 or i == steps or out_of_time:
+                print(f"[{tenant}] step {i} loss {float(loss.fetch()):.6f} "
+                      f"({(time.monotonic() - t0) / i * 1e3:.1f} ms/step)", flush=True)
+            if out_of_time:
+                break
+        error = float(np.linalg.norm(w.fetch() - true_w))
+    print(f"[{tenant}] done: {i} steps in {time.monotonic() - t0:.1f}s, |w - w_true| = {error:.4f}", flush=True)
+    pw.shutdown()
+    return error
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--seconds", type=float, default=120.0, help="stop after this long even if steps remain")
+    p.add_argument("--devices", type=int, default=2, help="devices in the slice (the data axis)")
+    p.add_argument("--island", type=int, default=0)
+    p.add_argument("--batch", type=int, default=512)
+    p.add_argument("--features", type=int, default=64)
+    p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--print-every", type=int, default=50)
+    a = p.parse_args(argv)
+    train(a.steps, a.seconds, a.devices, a.island, a.batch, a.features, a.lr, a.print_every)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""A client of a multi-host cluster (2 islands x 2 hosts x 2 devices) for test_multihost.py."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+import pathways as pw
+from client.lowering import lower
+
+
+def spmd() -> dict:
+    pw.init(timeouts=pw.Timeouts(fetch=60.0, op=60.0))
+    out: dict = {}
+    small, wide = pw.slice((2,), ("x",), island=0), pw.slice((2, 2), ("data", "model"), island=0)
+    out["small_hosts"], out["wide_hosts"] = list(small.hosts), list(wide.hosts)
+    a = np.arange(64, dtype=np.float32).reshape(8, 8) / 64
+    x = pw.put(a, wide, P("data", "model"))
+    out["roundtrip"] = bool(np.array_equal(np.asarray(x), a))
+    f = pw.jit(lambda v: jnp.tanh(v) @ v.T, slice=wide, in_specs=(P("data", "model"),), out_specs=P("data"))
+    out["spmd"] = bool(np.allclose(np.asarray(f(x)), np.tanh(a) @ a.T, rtol=1e-5))
+    other = pw.slice((2, 2), ("data", "model"), island=1)
+    g = pw.jit(lambda v: v * 2.0, slice=other, in_specs=(P("data", "model"),), out_specs=P("data", "model"))
+    same = pw.program(lambda v: g(v))
+    out["matching_transfer"] = bool(np.array_equal(np.asarray(same(x)), 2 * a))
+    traced = same._cache[next(iter(same._cache))]
+    send = next(op for op in lower(traced.program, traced.exes).fragments[0].ops if op["op"] == "send")
+    out["routes"] = [[r["host"], r["to"]] for r in send["routes"]]
+    h = pw.jit(lambda v: v + 1.0, slice=other, in_specs=(P(None, "data"),), out_specs=P())
+    out["reshard_transfer"] = bool(np.allclose(np.asarray(pw.program(lambda v: h(v))(x)), a + 1))
+    y = pw.put(a, small, P("x"))
+    out["single_host_slice"] = bool(np.allclose(np.asarray(pw.jit(lambda v: v.sum(), slice=small,
+                                                                  in_specs=(P("x"),))(y)), a.sum()))
+    pw.shutdown()
+    return out
+
+
+def gang(tenant: str, n: int) -> dict:
+    pw.init(tenant=tenant, timeouts=pw.Timeouts(fetch=120.0, op=120.0))
+    s = pw.slice((4,), ("x",), island=0)
+    scale = 0.5 if tenant == "a" else 0.75
+    # every program runs cross-host collectives: a sharded reduction and an all-gather
+    f = pw.jit(lambda v: v * scale + jnp.sum(v) / 16, slice=s, in_specs=(P("x"),), out_specs=P())
+    g = pw.jit(lambda v: jnp.sin(v - jnp.mean(v)) + 0.5, slice=s, in_specs=(P(),), out_specs=P("x"))
+    step = pw.program(lambda v: g(f(v)))
+    x0 = np.arange(16, dtype=np.float32) / 16
+    v, ref = pw.put(x0, s, P("x")), x0
+    outs = []
+    for _ in range(n):
+        v = step(v)
+        r = ref * scale + ref.sum() / 16
+        ref = np.sin(r - r.mean()) + 0.5
+        outs.append(v)
+        if len(outs) > 32:
+            outs.pop(0).block_until_ready()
+    ok = bool(np.allclose(np.asarray(v), ref, rtol=1e-4, atol=1e-5))
+    pw.shutdown()
+    return {"tenant": tenant, "programs": n, "ok": ok}
+
+
+if __name__ == "__main__":
+    result = spmd() if sys.argv[1] == "spmd" else gang(sys.argv[2], int(sys.argv[3]))
+    print(json.dumps(result), flush=True)

@@ -1,0 +1,53 @@
+"""Issue 4: islands of several hosts (a jax.distributed group each), placement, gang scheduling under
+concurrency. The multi-host cluster runs in a daemon process so the shared session cluster is untouched."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(scope="module")
+def multihost():
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    daemon = subprocess.Popen([sys.executable, os.path.join(HERE, "cluster_daemon.py"), "2", "2", "2"], env=env,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = daemon.stdout.readline()
+    if not line:
+        daemon.kill()
+        pytest.fail(f"the multi-host cluster did not start: {daemon.stderr.read()[-3000:]}")
+    yield json.loads(line)["address"]
+    daemon.stdin.close()
+    daemon.wait(timeout=60)
+
+
+def client(address: str, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, os.path.join(HERE, "multihost_client.py"), *args],
+                            env=dict(os.environ, RAY_ADDRESS=address), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def result(proc: subprocess.Popen, timeout: float = 300) -> dict:
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_spmd_across_hosts_placement_and_transfers(multihost):
+    r = result(client(multihost, "spmd"))
+    assert r["small_hosts"] in ([0], [1]) and r["wide_hosts"] == [0, 1]
+    assert r["roundtrip"] and r["spmd"] and r["single_host_slice"]
+    assert r["matching_transfer"] and r["routes"] == [[0, 0], [1, 1]]  # PaLM's host i -> host i
+    assert r["reshard_transfer"]
+
+
+def test_two_clients_interleave_collectives_on_one_island(multihost):
+    procs = [client(multihost, "gang", tenant, "220") for tenant in ("a", "b")]
+    results = [result(p) for p in procs]
+    assert all(r["ok"] and r["programs"] == 220 for r in results), results

@@ -22,7 +22,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from pathways import wire
 from pathways.errors import IslandFailedError, PathwaysError, ResourceError, from_wire
-from pathways.names import CLIENT_ID_BITS, NAMESPACE, RESOURCE_MANAGER, host_name, scheduler_name
+from pathways.names import CLIENT_ID_BITS, FETCH_TIMED_OUT, NAMESPACE, RESOURCE_MANAGER, host_name, scheduler_name
 from pathways.topology import Topology
 
 
@@ -110,19 +110,20 @@ class Session:
         """ray.get with a deadline, raising IslandFailedError as soon as an island it depends on dies."""
         timeout = self.timeouts.fetch if timeout is None else timeout
         deadline = time.monotonic() + timeout
+        timed_out = IslandFailedError(f"{what} timed out after {timeout:.1f}s; islands {sorted(islands)} "
+                                      "are alive but did not produce it (overloaded or stuck)")
         pending = list(refs)
         while pending:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise IslandFailedError(f"{what} timed out after {timeout:.1f}s; islands {sorted(islands)} "
-                                        "are alive but did not produce it (overloaded or stuck)")
+                raise timed_out
             _, pending = ray.wait(pending, num_returns=len(pending), timeout=min(self.timeouts.poll, remaining))
             if pending:
                 self.check_islands(islands)
         out = []
         for ref in refs:
             try:
-                out.append(ray.get(ref))
+                value = ray.get(ref)
             except RayTaskError as exc:
                 cause = getattr(exc, "cause", None)
                 if isinstance(cause, PathwaysError):
@@ -131,6 +132,9 @@ class Session:
             except RayActorError as exc:
                 self.check_islands(islands)
                 raise IslandFailedError(f"{what} failed: a host died ({type(exc).__name__})") from None
+            if isinstance(value, str) and value == FETCH_TIMED_OUT:
+                raise timed_out
+            out.append(value)
         return out
 
     def check_islands(self, islands: frozenset[int]) -> None:

@@ -28,6 +28,11 @@ def make_problem(tenant: str, batch: int, features: int) -> tuple[np.ndarray, np
     return x, y, true_w
 
 
+def report(tenant: str, step: int, loss: pw.Array, t0: float) -> None:
+    value = float(loss.fetch())
+    print(f"[{tenant}] step {step} loss {value:.6f} ({(time.monotonic() - t0) / step * 1e3:.1f} ms/step)", flush=True)
+
+
 def train(steps: int, seconds: float, devices: int, island: int, batch: int, features: int, lr: float,
           print_every: int) -> float:
     session = pw.init()  # attaches through RAY_ADDRESS; tenant and weight from the job's environment
@@ -38,20 +43,25 @@ def train(steps: int, seconds: float, devices: int, island: int, batch: int, fea
         xs, ys = pw.put(x, s, P("data", None)), pw.put(y, s, P("data"))
         w = pw.put(np.zeros(features, np.float32), s, P())
 
-        def step(w, x, y):
-            loss, grad = jax.value_and_grad(lambda w: jnp.mean((x @ w - y) ** 2))(w)
-            return w - lr * grad, loss
+        def mse(w, x, y):
+            return jnp.mean((x @ w - y) ** 2)
 
-        sgd = pw.jit(step, slice=s, in_specs=(P(), P("data", None), P("data")), out_specs=(P(), P()))
-        t0, i = time.monotonic(), 0
+        specs = (P(), P("data", None), P("data"))
+        sgd = pw.jit(lambda w, x, y: w - lr * jax.grad(mse)(w, x, y), slice=s, in_specs=specs, out_specs=P())
+        loss = pw.jit(mse, slice=s, in_specs=specs, out_specs=P())
+        t0, i, pending = time.monotonic(), 0, None
         for i in range(1, steps + 1):
-            w, loss = sgd(w, xs, ys)  # futures: the island queues steps while we only wait to print
+            w = sgd(w, xs, ys)  # a future: dispatch returns at once and the island queues the step
             out_of_time = time.monotonic() - t0 > seconds
             if i % print_every == 0 or i == steps or out_of_time:
-                print(f"[{tenant}] step {i} loss {float(loss.fetch()):.6f} "
-                      f"({(time.monotonic() - t0) / i * 1e3:.1f} ms/step)", flush=True)
+                # Print the loss asked for ``print_every`` steps ago: waiting for it never drains our queue,
+                # so the island always has our work and the scheduler's weights decide the split.
+                if pending is not None:
+                    report(tenant, *pending, t0)
+                pending = (i, loss(w, xs, ys))
             if out_of_time:
                 break
+        report(tenant, *pending, t0)
         error = float(np.linalg.norm(w.fetch() - true_w))
     print(f"[{tenant}] done: {i} steps in {time.monotonic() - t0:.1f}s, |w - w_true| = {error:.4f}", flush=True)
     pw.shutdown()
@@ -60,14 +70,14 @@ def train(steps: int, seconds: float, devices: int, island: int, batch: int, fea
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=400)
-    p.add_argument("--seconds", type=float, default=120.0, help="stop after this long even if steps remain")
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--seconds", type=float, default=60.0, help="stop after this long even if steps remain")
     p.add_argument("--devices", type=int, default=2, help="devices in the slice (the data axis)")
     p.add_argument("--island", type=int, default=0)
-    p.add_argument("--batch", type=int, default=512)
-    p.add_argument("--features", type=int, default=64)
+    p.add_argument("--batch", type=int, default=16384)
+    p.add_argument("--features", type=int, default=1024)
     p.add_argument("--lr", type=float, default=0.1)
-    p.add_argument("--print-every", type=int, default=50)
+    p.add_argument("--print-every", type=int, default=100)
     a = p.parse_args(argv)
     train(a.steps, a.seconds, a.devices, a.island, a.batch, a.features, a.lr, a.print_every)
 

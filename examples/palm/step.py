@@ -104,7 +104,7 @@ def functions(config: PalmConfig, optim_config: optim.OptimConfig) -> Functions:
         n = len(merged)
         grads = jax.tree.map(lambda *xs: functools.reduce(operator.add, xs) / n, *merged)
         new_params, new_state = optim.apply_update(params, opt_state, grads, optim_config)
-        return new_params, new_state, optax.global_norm(grads)
+        return new_params, new_state, optax.tree.norm(grads)
 
     def eval_loss(params: dict, batch: dict) -> jax.Array:
         metrics = model.loss_fn(params, batch, config)[1]

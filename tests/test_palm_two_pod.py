@@ -1,0 +1,163 @@
+"""Issue 5: PaLM's two-pod training through the runtime (tiny config, the session's 2-island cluster)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+import pathways as pw
+from examples.palm import checkpoint, data, logs, model, optim
+from examples.palm.config import CONFIGS
+from examples.palm.spikes import SpikeDetector, SpikePolicy
+from examples.palm.step import TrainStep
+from examples.palm.train import TrainOptions, fetch_tree, parse_args, train
+from pathways.program import Compute, Transfer
+
+TINY = CONFIGS["tiny"]
+OPT = optim.OptimConfig()
+BATCH = 8
+
+
+@pytest.fixture(scope="module")
+def slices(cluster):
+    pods = [pw.slice((2, 2), ("data", "model"), island=i) for i in range(2)]
+    yield pods
+    for s in pods:
+        s.release()
+
+
+@pytest.fixture(scope="module")
+def host_state() -> tuple:
+    params = jax.jit(model.init_params, static_argnums=0)(TINY, jax.random.key(0))
+    return params, optim.init_opt_state(params, OPT)
+
+
+def _run(step: TrainStep, host_state: tuple, n: int) -> tuple:
+    state, losses = step.put_state(*host_state), []
+    for i in range(n):
+        state, metrics, _ = step(state, data.batch(i, 0, BATCH, TINY.seq_len))
+        losses.append(np.mean([m.fetch()[0] for m in metrics]))
+    return state, losses
+
+
+def _leaves(tree) -> list[np.ndarray]:
+    return jax.tree.leaves(fetch_tree(tree))
+
+
+def _bitwise_equal(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(x.dtype == y.dtype and x.tobytes() == y.tobytes() for x, y in zip(a, b))
+
+
+def test_two_pods_stay_bitwise_identical_and_match_one_pod(slices, host_state):
+    two, losses2 = _run(TrainStep(TINY, OPT, slices, overlap=True), host_state, 4)
+    pod0, pod1 = _leaves(two.params[0]), _leaves(two.params[1])
+    assert _bitwise_equal(pod0, pod1)
+    assert _bitwise_equal(_leaves(two.opt_state[0]), _leaves(two.opt_state[1]))
+    one, losses1 = _run(TrainStep(TINY, OPT, slices[:1]), host_state, 4)
+    np.testing.assert_allclose(losses2, losses1, rtol=1e-5)
+    for got, want in zip(pod0, _leaves(one.params[0])):
+        np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
+
+
+def _graph(step: TrainStep, host_state: tuple):
+    state = step.put_state(*host_state)
+    return step.program.graph(state.params, state.opt_state, step.put_batch(data.batch(0, 0, BATCH, TINY.seq_len)))
+
+
+def test_overlap_sends_each_group_before_the_next_backward(slices, host_state):
+    kinds = {}
+    for overlap in (True, False):
+        graph = _graph(TrainStep(TINY, OPT, slices, overlap=overlap), host_state)
+        nodes = graph.nodes
+        first_send = next(i for i, n in enumerate(nodes) if isinstance(n, Transfer))
+        last_backward = max(i for i, n in enumerate(nodes) if isinstance(n, Compute) and "backward" in n.name)
+        kinds[overlap] = (first_send, last_backward)
+        # Every gradient leaf crosses once each way; nothing else does.
+        n_grad_leaves = len(jax.tree.leaves(host_state[0])) + 1  # + the embedding's lookup half
+        assert sum(isinstance(n, Transfer) for n in nodes) == 2 * n_grad_leaves
+    assert kinds[True][0] < kinds[True][1]  # the head's grads leave before the last group's backward
+    assert kinds[False][0] > kinds[False][1]  # PaLM's order: exchange after the whole backward
+
+
+def test_overlap_and_post_backward_exchange_give_the_same_bits(slices, host_state):
+    a, _ = _run(TrainStep(TINY, OPT, slices, overlap=True), host_state, 2)
+    b, _ = _run(TrainStep(TINY, OPT, slices, overlap=False), host_state, 2)
+    assert _bitwise_equal(_leaves(a.params[1]), _leaves(b.params[1]))
+
+
+def _opts(tmp_path, name: str, **kw) -> TrainOptions:
+    base = dict(config="tiny", pods=2, batch=BATCH, steps=6, ckpt_every=3, eval_every=1000, eval_batches=1,
+                out=str(tmp_path / name), peak_flops=1e11, progress=False, plot=False)
+    return TrainOptions(**{**base, **kw})
+
+
+def _ckpt_leaves(path: str) -> list[np.ndarray]:
+    with np.load(path) as z:
+        return [z[k] for k in sorted(z.files) if k != "__meta__"]
+
+
+def test_resume_is_bit_exact(cluster, tmp_path):
+    straight = train(_opts(tmp_path, "straight", steps=6))
+    train(_opts(tmp_path, "split", steps=3))
+    resumed = train(_opts(tmp_path, "split", steps=6, resume=True))
+    assert straight.steps == resumed.steps == 6
+    assert _bitwise_equal(_ckpt_leaves(straight.final_checkpoint), _ckpt_leaves(resumed.final_checkpoint))
+    assert straight.losses[3:] == resumed.losses  # the same bits in, the same losses out
+    events = logs.read(str(tmp_path / "split" / "log.jsonl"))
+    starts = [e for e in events if e["event"] == "start"]
+    assert [s["resumed_from"] for s in starts] == [None, 3] and starts[1]["data_pos"] == 3
+    assert [e["step"] for e in events if e["event"] == "step"] == [1, 2, 3, 4, 5, 6]
+
+
+def test_spike_rolls_back_and_skips_batches(cluster, tmp_path):
+    spike = SpikePolicy(factor=1.3, window=4, rollback_steps=3, skip_batches=5)
+    opts = _opts(tmp_path, "spike", steps=12, ckpt_every=2, spike=spike, inject_spike_at=9)
+    result = train(opts)
+    events = logs.read(opts.log_path)
+    spikes = [e for e in events if e["event"] == "spike"]
+    rollbacks = [e for e in events if e["event"] == "rollback"]
+    assert result.rollbacks == 1 and len(spikes) == 1 and len(rollbacks) == 1
+    assert spikes[0]["step"] == 9 and spikes[0]["loss"] > 1.3 * spikes[0]["median"]
+    back = rollbacks[0]
+    assert back["to_step"] == 6 and back["skipped_batches"] == 5 and back["data_pos"] == 6 + 5
+    assert back["removed"] == [8]  # the abandoned timeline's checkpoint is gone
+    steps = [(e["step"], e["data_pos"]) for e in events if e["event"] == "step"]
+    assert steps[:8] == [(s, s - 1) for s in range(1, 9)]
+    assert steps[8:] == [(s, s + 4) for s in range(7, 13)]  # step 7 reads batch 11: batches 6-10 skipped
+    assert result.steps == 12 and max(result.losses) < spikes[0]["loss"]
+
+
+def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
+    params = {"w": np.arange(6, dtype=np.float32).reshape(2, 3)}
+    opt = {"m": np.zeros(3, np.float32)}
+    first = checkpoint.save(str(tmp_path), checkpoint.Checkpoint(5, 7, params, opt, {"note": "first"}))
+
+    def broken(f, **arrays):
+        f.write(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(np, "savez", broken)
+    with pytest.raises(OSError):
+        checkpoint.save(str(tmp_path), checkpoint.Checkpoint(5, 9, params, opt, {}))
+    monkeypatch.undo()
+    back = checkpoint.load(first, params, opt)
+    assert (back.step, back.data_pos, back.extra) == (5, 7, {"note": "first"})
+    np.testing.assert_array_equal(back.params["w"], params["w"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt_00000005.npz"]  # no temp file left behind
+    with pytest.raises(ValueError, match="another config"):
+        checkpoint.load(first, {"w": np.zeros((3, 2), np.float32)}, opt)
+
+
+def test_spike_detector_and_options():
+    detector = SpikeDetector(SpikePolicy(factor=2.0, window=3))
+    assert not any(detector.is_spike(x) for x in (3.0, 2.0, 2.5))
+    assert detector.is_spike(5.1) and detector.is_spike(float("nan"))
+    assert not detector.is_spike(4.9) and detector.state() == [2.0, 2.5, 4.9]
+    opts = parse_args(["--pods", "1", "--config", "tiny", "--no-overlap", "--rollback-steps", "7"])
+    assert (opts.pods, opts.overlap, opts.spike.rollback_steps) == (1, False, 7)
+    assert opts.out == "runs/palm_tiny_1pod"
+    with pytest.raises(ValueError, match="multiple of 4"):
+        dataclasses.replace(opts, pods=2, batch=6)

@@ -14,6 +14,7 @@ lives in detached Ray actors, so it outlives the command that started it.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import logging
 import os
@@ -102,7 +103,11 @@ def cmd_up(args: argparse.Namespace) -> int:
     import pathways as pw
 
     t0 = time.monotonic()
-    topology = pw.Topology(args.islands, args.hosts_per_island, args.devices_per_host, args.platform)
+    try:
+        topology = pw.Topology(args.islands, args.hosts_per_island, args.devices_per_host, args.platform)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    _quota_kwargs(args.quota)  # refuse a bad --quota before starting anything
     previous = jobs.load_state()
     if previous and jobs.head_alive(previous):
         raise CliError(f"`pathways up` already runs a cluster at {previous.address}; `pathways down` first")
@@ -136,19 +141,24 @@ def _start_runtime(address: str, topology: Any, quota: int | None, timeout: floa
     """pw.init creates the detached resource manager, which starts and owns the islands; they outlive us."""
     import pathways as pw
 
-    kwargs: dict[str, Any] = {}
-    if quota is not None:
-        if quota < 1:
-            raise CliError(f"--quota must be a positive number of devices, got {quota}")
-        kwargs["quota"] = quota
     try:
         pw.init(topology=topology, address=address, tenant=CLI_TENANT,
-                timeouts=pw.Timeouts(start=timeout), **kwargs)
-    except TypeError as exc:
-        raise CliError(f"this runtime does not accept a default quota yet ({exc})") from None
+                timeouts=pw.Timeouts(start=timeout), **_quota_kwargs(quota))
     except pw.PathwaysError as exc:
         raise CliError(str(exc)) from None
     pw.shutdown()  # only disconnects: this process did not start Ray
+
+
+def _quota_kwargs(quota: int | None) -> dict[str, Any]:
+    import pathways as pw
+
+    if quota is None:
+        return {}
+    if quota < 1:
+        raise CliError(f"--quota must be a positive number of devices, got {quota}")
+    if "default_quota" not in inspect.signature(pw.init).parameters:
+        raise CliError("this runtime cannot set a default quota at start yet (pw.init has no default_quota)")
+    return {"default_quota": quota}
 
 
 def _port_free(port: int) -> bool:

@@ -7,6 +7,7 @@ for them.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import jax
@@ -27,7 +28,11 @@ def dispatch(traced: Traced, leaves: list) -> Any:
             raise_released(a)
     lowered = traced.lowered
     if lowered is None or lowered.placement != placement_of(program):
+        start = time.time()
         lowered = traced.lowered = lower(program, traced.exes)
+        session.events.span(f"lower {program.name}", "lower", start, time.time(),
+                            fragments=len(lowered.fragments))
+    start = time.time() if session.events.enabled else 0.0
     base = session.mint(lowered.n_values)
     input_ids = [a.id for a in inputs]
     for island, fragment in lowered.fragments.items():
@@ -38,6 +43,9 @@ def dispatch(traced: Traced, leaves: list) -> Any:
                                        "exes": exes, "frees": session.frees.take(island)})
         session.submit(island, payload)
         sent.update(exes)
+    if session.events.enabled:
+        session.events.span(f"dispatch {program.name}", "dispatch", start, time.time(),
+                            islands=sorted(lowered.fragments), base=base)
     lineage = frozenset(program.islands).union(*(a.islands for a in inputs))
     outputs = []
     for value in program.outputs:

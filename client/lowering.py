@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pathways import wire
-from pathways.program import Compute, Program, Transfer, Value
+from pathways.graph import Compute, Program, Transfer, Value
 from pathways.sharding import plan_transfer, spec_to_wire
 
 
@@ -49,11 +49,21 @@ def lower(program: Program, exes: dict[str, bytes]) -> Lowered:
     ops: dict[int, list[dict]] = {}
     slices: dict[int, dict[str, dict]] = {}
     used_exes: dict[int, dict[str, bytes]] = {}
+    produced_at: dict[tuple[int, int], int] = {}  # (island, slot) -> index of the op that produced it
+    sends_after: dict[int, dict[int, list[dict]]] = {}  # island -> op index (-1: start) -> sends
 
     def emit(island: int, op: dict, *values: Value) -> None:
-        ops.setdefault(island, []).append(op)
+        island_ops = ops.setdefault(island, [])
         for v in values:
             slices.setdefault(island, {})[v.slice.key] = v.slice.desc()
+            produced_at[(island, v.slot)] = len(island_ops)
+        island_ops.append(op)
+
+    def emit_send(island: int, op: dict, source: Value) -> None:
+        """Sends run on a background thread, so each goes right after its value's producer."""
+        ops.setdefault(island, [])
+        position = produced_at.get((island, source.slot), -1)
+        sends_after.setdefault(island, {}).setdefault(position, []).append(op)
 
     for node in program.nodes:
         if isinstance(node, Compute):
@@ -70,8 +80,8 @@ def lower(program: Program, exes: dict[str, bytes]) -> Lowered:
                                         "spec": spec_to_wire(dst.spec)}, dst)
                 continue
             routes, expect = plan_transfer(src.shape, src.slice.desc(), src.spec, dst.slice.desc(), dst.spec)
-            emit(src.slice.island, {"op": "send", "in": src.slot, "key": dst.slot, "island": dst.slice.island,
-                                    "routes": routes})
+            emit_send(src.slice.island, {"op": "send", "in": src.slot, "key": dst.slot,
+                                         "island": dst.slice.island, "routes": routes}, src)
             emit(dst.slice.island, {"op": "recv", "out": dst.slot, "slice": dst.slice.key,
                                     "spec": spec_to_wire(dst.spec), "src": src.slice.island, "expect": expect,
                                     "aval": {"shape": list(dst.shape), "dtype": dst.dtype.name}}, dst)
@@ -79,7 +89,12 @@ def lower(program: Program, exes: dict[str, bytes]) -> Lowered:
     keep = {v.slot for v in program.outputs} | set(range(n_inputs))
     fragments = {}
     for island, island_ops in ops.items():
-        island_ops = _with_frees(island_ops, keep)
+        after = sends_after.get(island, {})
+        placed = list(after.get(-1, []))
+        for i, op in enumerate(island_ops):
+            placed.append(op)
+            placed.extend(after.get(i, []))
+        island_ops = _with_frees(placed, keep)
         template = wire.encode("template", {"program": program.name, "n_inputs": n_inputs,
                                             "n_values": len(program.values),
                                             "slices": slices.get(island, {}), "ops": island_ops})

@@ -40,7 +40,7 @@ from client.jit import CompiledFunction, jit
 from client.slices import VirtualSlice
 from client.tracer import ProgramFunction, TracedValue, program, transfer
 from pathways.errors import ProgramError
-from pathways.program import Program
+from pathways.graph import Program
 
 SCHEDULES = ("gpipe", "1f1b")
 

@@ -22,6 +22,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from pathways import wire
 from pathways.errors import IslandFailedError, PathwaysError, ResourceError, from_wire
+from pathways.events import EventLog
 from pathways.names import CLIENT_ID_BITS, FETCH_TIMED_OUT, NAMESPACE, RESOURCE_MANAGER, host_name, scheduler_name
 from pathways.topology import Topology
 
@@ -70,6 +71,7 @@ class Session:
         self.dead: dict[int, str] = {}
         self.slices: dict[str, Any] = {}
         self.frees = FreeBatcher(self)
+        self.events = EventLog()
         self.closed = False
 
     # -- ids ----------------------------------------------------------------------------------------

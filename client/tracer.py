@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextvars
 import os
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -21,12 +22,18 @@ from jax.sharding import PartitionSpec as P
 
 from client.array import Array, ensure_arrays
 from pathways.errors import ProgramError
-from pathways.program import Compute, Program, Transfer, Value
+from pathways.graph import Compute, Program, Transfer, Value
 from pathways.sharding import spec_to_wire
 
 _trace: contextvars.ContextVar[Trace | None] = contextvars.ContextVar("pathways_trace", default=None)
 _OWN_DIRS = tuple(os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep + d + os.sep
                   for d in ("client", "pathways", "resource_manager"))
+
+
+def _events() -> Any:
+    from client.session import current
+
+    return current().events
 
 
 def current_trace() -> Trace | None:
@@ -120,9 +127,11 @@ class Trace:
         self.op_by_op = op_by_op
         self.exes: dict[str, bytes] = {}
         self._moved: dict[tuple, Value] = {}
+        self._slots = 0
 
     def new_value(self, shape: tuple[int, ...], dtype: np.dtype, slice: Any, spec: P) -> Value:  # noqa: A002
-        return Value(len(self.program.values), tuple(shape), np.dtype(dtype), slice, spec)
+        self._slots += 1  # slots are positions in program.values: inputs, then each node's outputs in order
+        return Value(self._slots - 1, tuple(shape), np.dtype(dtype), slice, spec)
 
     def call(self, fn: Any, args: tuple) -> Any:
         leaves = jax.tree_util.tree_leaves(args)
@@ -182,6 +191,7 @@ class ProgramFunction:
         self.name = name or getattr(fn, "__name__", "program")
         self.op_by_op = op_by_op
         self._cache: dict[Any, Traced] = {}
+        self._last: Traced | None = None
 
     def _signature(self, args: tuple) -> tuple[list, Any, Any]:
         leaves, treedef = jax.tree_util.tree_flatten(args)
@@ -228,12 +238,20 @@ class ProgramFunction:
         leaves, treedef, key = self._signature(args)
         traced = self._cache.get(key)
         if traced is None:
+            start = time.time()
             traced = self._trace(leaves, treedef)
             self._cache[key] = traced
+            self._last = traced
+            _events().span(f"trace {self.name}", "trace", start, time.time(), nodes=len(traced.program.nodes))
         return traced, leaves
 
     def graph(self, *args: Any) -> Program:
-        """The Program this function traces to for these arguments (traced once, then cached)."""
+        """The Program this function traces to for these arguments (traced once, then cached).
+
+        With no arguments: the most recently traced graph.
+        """
+        if not args and self._last is not None:
+            return self._last.program
         return self._traced(args)[0].program
 
     def __call__(self, *args: Any) -> Any:

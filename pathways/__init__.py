@@ -6,13 +6,17 @@
     x = pw.put(np.ones((4, 4), np.float32), s, P("data", None))
     f = pw.jit(lambda a: a @ a.T, slice=s, in_specs=(P("data", None),))
     print(np.asarray(f(x)))
+
+The vocabulary every side shares (errors, topology, the program graph) loads
+eagerly; the client API loads on first use, so island hosts, which import
+only the vocabulary, never load the client.
 """
 
-from client.array import Array, put
-from client.jit import CompiledFunction, jit
-from client.session import Timeouts, init, shutdown
-from client.slices import VirtualSlice, release, slice
-from client.tracer import ProgramFunction, program, transfer
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 from pathways.errors import (
     IslandFailedError,
     PathwaysError,
@@ -21,31 +25,47 @@ from pathways.errors import (
     TenantAccessError,
     WireFormatError,
 )
-from pathways.program import Program
-from pathways.status import status
+from pathways.graph import Program
 from pathways.topology import Topology
 
+_CLIENT_API = {
+    "Array": "client.array",
+    "put": "client.array",
+    "CompiledFunction": "client.jit",
+    "jit": "client.jit",
+    "trace": "client.profiler",
+    "Timeouts": "client.session",
+    "init": "client.session",
+    "shutdown": "client.session",
+    "VirtualSlice": "client.slices",
+    "release": "client.slices",
+    "slice": "client.slices",
+    "ProgramFunction": "client.tracer",
+    "program": "client.tracer",
+    "transfer": "client.tracer",
+    "status": "pathways.cluster",
+    "ClusterStatus": "pathways.cluster",
+}
+_MODULES = {"pipeline": "client.pipeline"}
+
 __all__ = [
-    "Array",
-    "CompiledFunction",
-    "IslandFailedError",
-    "PathwaysError",
-    "Program",
-    "ProgramError",
-    "ProgramFunction",
-    "ResourceError",
-    "TenantAccessError",
-    "Timeouts",
-    "Topology",
-    "VirtualSlice",
-    "WireFormatError",
-    "init",
-    "jit",
-    "program",
-    "put",
-    "release",
-    "shutdown",
-    "slice",
-    "status",
-    "transfer",
+    "Array", "ClusterStatus", "CompiledFunction", "IslandFailedError", "PathwaysError", "Program", "ProgramError",
+    "ProgramFunction", "ResourceError", "TenantAccessError", "Timeouts", "Topology", "VirtualSlice",
+    "WireFormatError", "init", "jit", "pipeline", "program", "put", "release", "shutdown", "slice", "status",
+    "trace", "transfer",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _CLIENT_API:
+        value = getattr(importlib.import_module(_CLIENT_API[name]), name)
+    elif name in _MODULES:
+        value = importlib.import_module(_MODULES[name])
+    else:
+        raise AttributeError(f"module 'pathways' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

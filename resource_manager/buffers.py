@@ -39,13 +39,26 @@ class BufferTable:
         self._entries: dict[int, Entry] = {}
         self._uses: Counter[int] = Counter()
         self._doomed: set[int] = set()
+        self._bytes = 0  # of every entry, kept on each change so stats and the peak cost O(1)
+        self._peak = 0
+
+    def _set(self, buffer_id: int, entry: Entry) -> None:
+        old = self._entries.get(buffer_id)
+        self._entries[buffer_id] = entry
+        self._bytes += entry.nbytes - (old.nbytes if old is not None else 0)
+        self._peak = max(self._peak, self._bytes)
+
+    def _drop(self, buffer_id: int) -> None:
+        old = self._entries.pop(buffer_id, None)
+        if old is not None:
+            self._bytes -= old.nbytes
 
     def put(self, buffer_id: int, tenant: str, value: Any) -> None:
         with self._cond:
             entry = self._entries.get(buffer_id)
             if entry is not None and entry.tenant != tenant:
                 raise TenantAccessError(f"buffer {buffer_id} is not owned by tenant {tenant!r}; refusing to write it")
-            self._entries[buffer_id] = Entry(tenant, value)
+            self._set(buffer_id, Entry(tenant, value))
             self._cond.notify_all()
 
     def lookup(self, buffer_id: int, tenant: str) -> Entry | None:
@@ -71,7 +84,7 @@ class BufferTable:
                 del self._uses[i]
                 if i in self._doomed:
                     self._doomed.discard(i)
-                    self._entries.pop(i, None)
+                    self._drop(i)
 
     def free(self, ids: list[int], tenant: str) -> None:
         with self._cond:
@@ -82,7 +95,7 @@ class BufferTable:
                 if self._uses.get(i, 0) > 0:
                     self._doomed.add(i)
                 else:
-                    self._entries.pop(i, None)
+                    self._drop(i)
 
     def free_client(self, client: int, tenant: str, id_bits: int) -> None:
         """Free every buffer minted by one client (its ids share a prefix), e.g. at its shutdown."""
@@ -94,20 +107,32 @@ class BufferTable:
         with self._cond:
             ids = [i for i, e in self._entries.items() if e.tenant == tenant]
             for i in ids:
-                del self._entries[i]
+                self._drop(i)
             return len(ids)
 
     def clear(self) -> None:
         with self._cond:
             self._entries.clear()
             self._doomed.clear()
+            self._bytes = 0
 
     def __len__(self) -> int:
         return len(self._entries)
 
     @property
     def nbytes(self) -> int:
-        return sum(e.nbytes for e in list(self._entries.values()))
+        return self._bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        """The most bytes resident at once since the last ``reset_peak``."""
+        return self._peak
+
+    def reset_peak(self) -> int:
+        """Start a new peak at the current bytes; returns the peak that ends."""
+        with self._cond:
+            peak, self._peak = self._peak, self._bytes
+            return peak
 
     def by_tenant(self) -> dict[str, tuple[int, int]]:
         out: dict[str, list[int]] = {}

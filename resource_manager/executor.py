@@ -21,6 +21,7 @@ import numpy as np
 
 from pathways import wire
 from pathways.errors import IslandFailedError, TenantAccessError, to_wire
+from pathways.events import EventLog
 from pathways.sharding import dtype_from_wire, index_from_wire, spec_from_wire
 from resource_manager.buffers import BufferTable, Failure
 from resource_manager.devices import LocalDevices
@@ -46,6 +47,7 @@ class Run:
     pc: int = 0
     waiting_since: float | None = None
     busy_s: float = 0.0
+    admitted: float = 0.0
     refusal: Failure | None = None
     reported_blocked: bool = False
 
@@ -76,11 +78,14 @@ class Mailbox:
 class Executor:
     def __init__(self, island: int, host: int, devices: LocalDevices, table: BufferTable,
                  exes: ExecutableCache, cond: threading.Condition, peer: Callable[[int, int], Any],
-                 scheduler: Callable[[], Any], strict: bool, op_timeout: float) -> None:
+                 scheduler: Callable[[], Any], strict: bool, op_timeout: float, events: EventLog) -> None:
         self.island, self.host = island, host
         self.devices, self.table, self.exes, self.cond = devices, table, exes, cond
         self._peer = peer
         self._scheduler = scheduler
+        self.events = events
+        self.bytes_out = 0
+        self.bytes_in = 0
         self._done: list[list] = []
         self._blocked: list[int] = []
         self.strict = strict
@@ -101,6 +106,7 @@ class Executor:
 
     # -- admission (called with self.cond held, in sequence order) -------------------------------
     def admit(self, run: Run) -> None:
+        run.admitted = time.time()
         for op in run.ops:
             self.table.add_uses(run.touches(op))
         self.runs.append(run)
@@ -132,6 +138,10 @@ class Executor:
                         self.runs.remove(run)
                         self.completed += 1
                     self._done.append([run.seq, run.busy_s])
+                    if self.events.enabled:
+                        self.events.span(f"seq {run.seq}: {run.label}", "fragment", run.admitted, time.time(),
+                                         seq=run.seq, tenant=run.tenant, program=run.label, ops=len(run.ops),
+                                         busy_ms=round(run.busy_s * 1e3, 3))
                 elif self.strict:
                     break
             self._report()
@@ -165,6 +175,7 @@ class Executor:
         while run.pc < len(run.ops):
             op = run.ops[run.pc]
             start = time.perf_counter()
+            wall = time.time() if self.events.enabled else 0.0
             try:
                 if run.refusal is not None:
                     self._fail_op(run, op, run.refusal)
@@ -183,6 +194,8 @@ class Executor:
             elapsed = time.perf_counter() - start
             run.busy_s += elapsed
             self.busy_s += elapsed
+            if self.events.enabled:
+                self._trace_op(run, op, wall, elapsed)
             with self.cond:
                 self.table.done_using(run.touches(op))
             run.pc += 1
@@ -190,6 +203,19 @@ class Executor:
             self.ops_run += 1
             progressed = True
         return progressed
+
+    def _trace_op(self, run: Run, op: dict, wall: float, elapsed: float) -> None:
+        if run.waiting_since is not None:
+            waited = time.monotonic() - run.waiting_since
+            self.events.span("wait for inputs", "wait", wall - waited, wall, seq=run.seq, op=op["op"])
+        name = op.get("name", op["op"]) if op["op"] == "exec" else op["op"]
+        args = {"seq": run.seq, "tenant": run.tenant, "program": run.label}
+        if op["op"] == "recv":
+            args.update(src_island=op["src"], bytes=int(np.prod(op["aval"]["shape"]))
+                        * dtype_from_wire(op["aval"]["dtype"]).itemsize)
+        elif op["op"] == "send":
+            args.update(dst_island=op["island"])
+        self.events.span(name, op["op"], wall, wall + elapsed, **args)
 
     def _timeout_failure(self, run: Run, op: dict) -> Failure:
         if op["op"] == "recv":
@@ -283,9 +309,14 @@ class Executor:
                                                "failure": [value.kind, value.message]})
                 peer.deliver.remote(meta)
                 continue
+            start = time.time()
             datas = [np.asarray(pieces[index_from_wire(s)]) for s in route["shards"]]
             meta = wire.encode("deliver", {"key": key, "src": self.island, "shards": route["shards"]})
             peer.deliver.remote(meta, *datas)
+            nbytes = sum(d.nbytes for d in datas)
+            self.bytes_out += nbytes
+            self.events.span("send shards", "send", start, time.time(), bytes=nbytes, dst_island=island,
+                             dst_host=route["to"], key=key)
 
     def deliver(self, msg: dict, datas: tuple) -> None:
         """Called by a peer's send (under self.cond): file the pieces until the recv op claims them."""
@@ -294,6 +325,7 @@ class Executor:
             box.failure = Failure(*msg["failure"])
         for shard, data in zip(msg["shards"], datas):
             box.pieces[index_from_wire(shard)] = data
+            self.bytes_in += data.nbytes
         self.touch()
 
     def _recv(self, run: Run, op: dict) -> bool:
@@ -346,4 +378,5 @@ class Executor:
 
     def stats(self) -> dict:
         return {"queue_depth": len(self.runs), "completed": self.completed, "ops": self.ops_run,
-                "busy_s": self.busy_s, "mailbox": len(self.mailbox)}
+                "busy_s": self.busy_s, "mailbox": len(self.mailbox), "bytes_in": self.bytes_in,
+                "bytes_out": self.bytes_out}

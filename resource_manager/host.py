@@ -18,6 +18,7 @@ import ray
 
 from pathways import wire
 from pathways.errors import WireFormatError, from_wire
+from pathways.events import EventLog
 from pathways.names import CLIENT_ID_BITS, FETCH_TIMED_OUT, host_name, scheduler_name
 from resource_manager.buffers import BufferTable, Failure
 from resource_manager.executables import ExecutableCache
@@ -38,6 +39,8 @@ class Host:
         self._scheduler_handle: Any = None
         self.table = BufferTable(self._cond)
         self.exes = ExecutableCache()
+        self.events = EventLog()
+        self.started = time.time()
         self.executor = None
         self.devices = None
 
@@ -61,7 +64,8 @@ class Host:
 
         self.devices = LocalDevices(self.index)
         self.executor = Executor(self.island, self.index, self.devices, self.table, self.exes, self._cond,
-                                 self._peer, self._scheduler, strict=self.n_hosts > 1, op_timeout=self.op_timeout)
+                                 self._peer, self._scheduler, strict=self.n_hosts > 1, op_timeout=self.op_timeout,
+                                 events=self.events)
         return {"island": self.island, "host": self.index, "pid": os.getpid(),
                 "node": ray.get_runtime_context().get_node_id(), "devices": self.devices.describe()}
 
@@ -174,13 +178,26 @@ class Host:
         return self.table.free_tenant(tenant)
 
     def ping(self) -> float:
+        """This host's wall clock: also what the client uses to estimate the clock offset."""
         return time.time()
+
+    def trace_start(self) -> float:
+        return self.events.start()
+
+    def trace_stop(self) -> list:
+        return self.events.stop()
+
+    def reset_peak(self) -> int:
+        """Restart the buffer table's peak-bytes counter (e.g. before a step to measure); returns the old peak."""
+        return self.table.reset_peak()
 
     def stats(self) -> dict:
         with self._cond:
             out = {"island": self.island, "host": self.index, "buffers": len(self.table),
-                   "buffer_bytes": self.table.nbytes, "by_tenant": self.table.by_tenant(),
+                   "buffer_bytes": self.table.nbytes, "peak_buffer_bytes": self.table.peak_bytes,
+                   "by_tenant": self.table.by_tenant(),
                    "compiles": self.exes.compiles, "cache_hits": self.exes.hits, "executables": len(self.exes),
-                   "next_seq": self._next_seq, "waiting": len(self._pending)}
+                   "next_seq": self._next_seq, "waiting": len(self._pending),
+                   "uptime_s": time.time() - self.started}
             out.update(self.executor.stats())
         return out

@@ -14,7 +14,7 @@ from examples.palm.config import CONFIGS
 from examples.palm.spikes import SpikeDetector, SpikePolicy
 from examples.palm.step import TrainStep
 from examples.palm.train import TrainOptions, fetch_tree, parse_args, train
-from pathways.program import Compute, Transfer
+from pathways.graph import Compute, Transfer
 
 TINY = CONFIGS["tiny"]
 OPT = optim.OptimConfig()

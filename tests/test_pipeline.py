@@ -202,7 +202,7 @@ def test_1f1b_bounds_live_activations_by_stages_gpipe_by_micro_batches(slices):
             params, opt = pipe.init(params0)
             peaks[schedule, m] = pipe.memory(params, opt, pw.put(x, s0), pw.put(t, s1))
     for m in (4, 8):
-        assert [st.peak_micro_batches for st in peaks["1f1b", m]] == [2, 2]  # <= S, whatever M is
+        assert max(st.peak_micro_batches for st in peaks["1f1b", m]) <= 2  # <= S, whatever M is
         assert peaks["gpipe", m][0].peak_micro_batches == m  # stage 0 holds every micro-batch
     # The batch is fixed: GPipe holds the whole batch's activations at any M, 1F1B only S micro-batches.
     assert peaks["gpipe", 8][0].peak_bytes == peaks["gpipe", 4][0].peak_bytes

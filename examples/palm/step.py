@@ -34,6 +34,7 @@ from examples.palm.config import PalmConfig
 DATA, MODEL = "data", "model"
 ACT = P(DATA)  # activations and their cotangents: [batch, seq, d_model] split over the batch
 METRICS = ("loss", "cross_entropy", "z_loss", "accuracy")
+SPIKE_SCALE = 100.0  # what an injected spike multiplies the shared embedding (so the logits) by
 
 
 def _is_spec(x: object) -> bool:
@@ -72,6 +73,8 @@ class Functions:
     embed_backward: pw.CompiledFunction
     apply: dict[int, pw.CompiledFunction]  # by number of pods
     eval_loss: pw.CompiledFunction
+    exchange_buffer: pw.CompiledFunction
+    blow_up: pw.CompiledFunction
     param_specs: Any
     opt_specs: Any
 
@@ -129,6 +132,9 @@ def functions(config: PalmConfig, optim_config: optim.OptimConfig) -> Functions:
                             out_specs=(specs, opt_specs, P()), name=f"apply_{pods}pod")
                for pods in (1, 2)},
         eval_loss=pw.jit(eval_loss, in_specs=(specs, batch_specs), out_specs=P(), name="eval_loss"),
+        exchange_buffer=pw.jit(lambda g: g, in_specs=(grads_specs(group_sizes),),
+                               out_specs=grads_specs(group_sizes), name="exchange_buffer"),
+        blow_up=pw.jit(lambda e: e * SPIKE_SCALE, in_specs=(P(),), out_specs=P(), name="blow_up"),
         param_specs=specs,
         opt_specs=opt_specs,
     )
@@ -225,7 +231,10 @@ class TrainStep:
         metrics = [pieces[p]["head"][0] for p in pods]
         grads = [{"head": pieces[p]["head"][1], "lookup": pieces[p]["lookup"],
                   "groups": [pieces[p][g] for g in range(self.config.layer_groups)]} for p in pods]
-        if not self.overlap:
+        if not self.overlap and self.pods > 1:
+            # PaLM's order: the exchange starts once the whole backward is done. Routing the pieces through
+            # one computation that needs all of them keeps any send from starting earlier.
+            grads = [self.fns.exchange_buffer(g) for g in grads]
             for p in pods:
                 self._send(p, grads[p])
         # Same argument order on every pod (pod 0's grads, then pod 1's), so the sums are bitwise equal.
@@ -234,6 +243,11 @@ class TrainStep:
                                           *[pw.transfer(grads[p], self.slices[q]) for p in pods])
                 for q in pods]
         return [o[0] for o in outs], [o[1] for o in outs], metrics, [o[2] for o in outs]
+
+    def inject_spike(self, state: PodState) -> PodState:
+        """The same state with the shared embedding scaled up on every pod: the next loss explodes."""
+        params = [{**p, "embed": self.fns.blow_up(p["embed"])} for p in state.params]
+        return PodState(params, state.opt_state)
 
     # -- evaluation -------------------------------------------------------------------------------
     def eval_metrics(self, state: PodState, batch: dict[str, np.ndarray]) -> pw.Array:

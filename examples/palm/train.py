@@ -9,8 +9,8 @@ optimizer state, step and data position), and a loss-curve PNG when
 matplotlib is installed. ``--resume`` continues bit-exactly from the newest
 checkpoint. A loss spike (above ``--spike-factor`` times the running median)
 rolls back to the checkpoint about ``--rollback-steps`` earlier and skips
-``--skip-batches`` batches, as PaLM did; ``--inject-spike-at`` corrupts one
-batch to show it.
+``--skip-batches`` batches, as PaLM did; ``--inject-spike-at`` blows up the
+parameters once to show it.
 
 ``train()`` is the loop and takes an already-initialized session; ``main()``
 starts and stops the cluster around it.
@@ -115,11 +115,6 @@ class _InFlight:
     state: PodState
     metrics: list
     norms: list
-
-
-def corrupt(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Targets all byte 0, which never occurs in Python source: a trained model's loss on it explodes."""
-    return {"inputs": batch["inputs"], "targets": np.zeros_like(batch["targets"])}
 
 
 def fetch_tree(tree: Any) -> Any:
@@ -250,7 +245,7 @@ class Trainer:
             if step < opts.steps:
                 batch = data.batch(data_pos, opts.seed, opts.batch, self.config.seq_len)
                 if opts.inject_spike_at == step + 1 and not self.injected:
-                    batch, self.injected = corrupt(batch), True
+                    state, self.injected = self.step_fn.inject_spike(state), True
                     self.log.write("inject_spike", step=step + 1, data_pos=data_pos)
                 new_state, metrics, norms = self.step_fn(state, batch)
                 current = _InFlight(step + 1, data_pos, new_state, metrics, norms)
@@ -353,7 +348,8 @@ def parse_args(argv: list[str] | None = None) -> TrainOptions:
     p.add_argument("--rollback-steps", type=int, default=s.rollback_steps, help="M: roll back about M steps")
     p.add_argument("--skip-batches", type=int, default=s.skip_batches, help="B: then skip B batches")
     p.add_argument("--max-rollbacks", type=int, default=s.max_rollbacks)
-    p.add_argument("--inject-spike-at", type=int, default=None, help="corrupt the batch of this step (once)")
+    p.add_argument("--inject-spike-at", type=int, default=None,
+                   help="scale the embedding by 100 before this step (once) to see a spike and its rollback")
     p.add_argument("--peak-flops", type=float, default=None, help="skip measuring the peak; use this FLOP/s")
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)

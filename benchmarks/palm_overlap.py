@@ -6,6 +6,7 @@ machine hurts them alike, and reports the median time per step of each:
 - ``local``: each pod applies only its own gradients (no exchange; pods diverge): the floor.
 - ``after``: the exchange follows the whole backward pass, as PaLM ran it.
 - ``overlap``: each piece is sent (``pw.transfer``) as soon as the backward produced it.
+- ``late``: no ``pw.transfer`` at all; the transfers are traced where the optimizer reads them.
 
 A block dispatches ``--block`` steps back to back and waits for the last, so
 the numbers are per-step throughput with asynchronous dispatch. It also times
@@ -24,13 +25,14 @@ import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 import pathways as pw
 from examples.palm import data, model, optim
 from examples.palm.config import CONFIGS
 from examples.palm.step import PodState, TrainStep
 
-MODES = ("local", "after", "overlap")
+MODES = ("local", "after", "overlap", "late")
 
 
 class LocalStep(TrainStep):
@@ -47,6 +49,13 @@ class LocalStep(TrainStep):
         return [o[0] for o in outs], [o[1] for o in outs], [s["head"][0] for s in staged], [o[2] for o in outs]
 
 
+class LateStep(TrainStep):
+    """No pw.transfer during the backward: the transfers are traced where the optimizer reads them."""
+
+    def _send(self, pod: int, tree: Any) -> None:
+        return None
+
+
 def run_block(step: TrainStep, state: PodState, batches: list[dict]) -> tuple[PodState, float]:
     """Dispatch the steps back to back, then wait for every pod's last update; seconds per step."""
     start = time.perf_counter()
@@ -59,12 +68,14 @@ def run_block(step: TrainStep, state: PodState, batches: list[dict]) -> tuple[Po
 
 def exchange_alone(step: TrainStep, state: PodState, repeats: int) -> float:
     """Median seconds to move one pod's worth of gradient-shaped arrays (the params) from pod 0 to pod 1."""
+    total = pw.jit(lambda tree: sum(jnp.sum(x) for x in jax.tree.leaves(tree)), slice=step.slices[1],
+                   in_specs=(step.fns.param_specs,), name="touch_all")
+    move = pw.program(lambda tree: total(pw.transfer(tree, step.slices[1])))
+    move(state.params[0]).block_until_ready()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        moved = pw.transfer(state.params[0], step.slices[1])
-        for leaf in jax.tree.leaves(moved):
-            leaf.block_until_ready()
+        move(state.params[0]).block_until_ready()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -88,7 +99,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         slices = [pw.slice((2, 2), ("data", "model"), island=i) for i in range(2)]
         steps = {"local": LocalStep(config, optim_config, slices),
                  "after": TrainStep(config, optim_config, slices, overlap=False),
-                 "overlap": TrainStep(config, optim_config, slices, overlap=True)}
+                 "overlap": TrainStep(config, optim_config, slices, overlap=True),
+                 "late": LateStep(config, optim_config, slices, overlap=True)}
         params = jax.jit(model.init_params, static_argnums=0)(config, jax.random.key(0))
         host_state = (params, optim.init_opt_state(params, optim_config))
         batches = [data.batch(i, 0, args.batch, config.seq_len) for i in range(args.block)]

@@ -104,7 +104,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     t0 = time.monotonic()
     try:
-        topology = pw.Topology(args.islands, args.hosts_per_island, args.devices_per_host, args.platform)
+        topology = pw.Topology(islands=args.islands, hosts_per_island=args.hosts_per_island,
+                               devices_per_host=args.devices_per_host, platform=args.platform)
     except ValueError as exc:
         raise CliError(str(exc)) from None
     _quota_kwargs(args.quota)  # refuse a bad --quota before starting anything
@@ -225,12 +226,12 @@ def _connect(address: str) -> None:
 # -- status ----------------------------------------------------------------------------------------
 
 def cmd_status(args: argparse.Namespace) -> int:
+    address = jobs.resolve_address(args.address)
     import ray
 
     import pathways as pw
     from pathways.names import NAMESPACE, RESOURCE_MANAGER
 
-    address = jobs.resolve_address(args.address)
     _connect(address)
     try:
         ray.get_actor(RESOURCE_MANAGER, namespace=NAMESPACE)

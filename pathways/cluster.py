@@ -23,6 +23,11 @@ class HostStatus:
     queue_depth: int = 0
     completed: int = 0
     busy_s: float = 0.0
+    busy_fraction: float = 0.0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    peak_buffer_bytes: int = 0
+    ip: str = ""
 
 
 @dataclass(frozen=True)
@@ -60,9 +65,10 @@ class ClusterStatus:
             lines.append(f"island {isl.index}: {health}, queue depth {isl.queue_depth}"
                          + (f", island time: {shares}" if shares else ""))
             for h in isl.hosts:
-                lines.append(f"  host {h.host} node {h.node[:12]} devices {len(h.devices)} "
-                             f"buffers {h.buffers} ({h.buffer_bytes} B) compiles {h.compiles} "
-                             f"hits {h.cache_hits} queue {h.queue_depth} done {h.completed}"
+                lines.append(f"  host {h.host} on node {h.node[:8]} ({h.ip}) devices {len(h.devices)} "
+                             f"busy {100 * h.busy_fraction:.0f}% queue {h.queue_depth} done {h.completed} "
+                             f"buffers {h.buffers} ({_bytes(h.buffer_bytes)}) in {_bytes(h.bytes_in)} "
+                             f"out {_bytes(h.bytes_out)} compiles {h.compiles} cache hits {h.cache_hits}"
                              + ("" if h.alive else " DEAD"))
         by_tenant: dict[str, list[str]] = {}
         for a in self.allocations:
@@ -74,6 +80,16 @@ class ClusterStatus:
                          f"{'none' if quota is None else quota}, clients {info.get('clients', 0)}): "
                          f"{', '.join(by_tenant.get(tenant, [])) or 'no slices'}")
         return "\n".join(lines)
+
+
+def _bytes(n: float) -> str:
+    if n < 1024:
+        return f"{n:.0f} B"
+    for unit in ("KiB", "MiB"):
+        n /= 1024
+        if n < 1024:
+            return f"{n:.1f} {unit}"
+    return f"{n / 1024:.1f} GiB"
 
 
 def status(timeout: float = 10.0) -> ClusterStatus:
@@ -97,10 +113,11 @@ def status(timeout: float = 10.0) -> ClusterStatus:
                     stats = ray.get(ref)
                 except Exception:  # a dead host is reported, not raised
                     alive = False
+            keys = ("buffers", "buffer_bytes", "compiles", "cache_hits", "queue_depth", "completed", "busy_s",
+                    "busy_fraction", "bytes_in", "bytes_out", "peak_buffer_bytes")
             hosts.append(HostStatus(island=info["island"], host=info["host"], node=info["node"],
-                                    devices=info["devices"], alive=alive,
-                                    **{k: stats[k] for k in ("buffers", "buffer_bytes", "compiles", "cache_hits",
-                                                             "queue_depth", "completed", "busy_s") if k in stats}))
+                                    devices=info["devices"], alive=alive, ip=info.get("ip", ""),
+                                    **{k: stats[k] for k in keys if k in stats}))
         depth = sched.get("queued", 0) + max((h.queue_depth for h in hosts), default=0)
         islands.append(IslandStatus(isl["index"], isl["healthy"], isl["reason"], hosts, depth,
                                     sched.get("tenant_time_s", {})))

@@ -118,6 +118,26 @@ class Program:
         lines.append("}")
         return "\n".join(lines) + "\n"
 
+    def save(self, path: str) -> str:
+        """Write the graph: ``.dot`` as Graphviz text; ``.svg``/``.png``/``.pdf`` rendered with Graphviz
+        (``pip install pathways-ray[graph]`` plus the Graphviz binaries). Returns the path written."""
+        fmt = path.rsplit(".", 1)[-1].lower() if "." in path else ""
+        if fmt == "dot":
+            with open(path, "w") as f:
+                f.write(self.to_dot())
+            return path
+        try:
+            import graphviz
+        except ImportError:
+            raise ImportError(f"rendering {path!r} needs the graphviz package: pip install 'pathways-ray[graph]' "
+                              "(and the Graphviz binaries, e.g. apt-get install graphviz); or save as .dot") from None
+        if fmt not in ("svg", "png", "pdf"):
+            raise ValueError(f"cannot tell the format of {path!r}; use .dot, .svg, .png or .pdf")
+        data = graphviz.Source(self.to_dot()).pipe(format=fmt)
+        with open(path, "wb") as f:
+            f.write(data)
+        return path
+
     def __repr__(self) -> str:
         kinds = sum(isinstance(n, Compute) for n in self.nodes)
         return (f"Program({self.name!r}: {len(self.inputs)} inputs, {kinds} computations, "

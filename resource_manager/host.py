@@ -43,6 +43,7 @@ class Host:
         self.started = time.time()
         self.executor = None
         self.devices = None
+        self.metrics = None
 
     # -- start-up ---------------------------------------------------------------------------------
     def coordinator(self) -> str:
@@ -66,7 +67,11 @@ class Host:
         self.executor = Executor(self.island, self.index, self.devices, self.table, self.exes, self._cond,
                                  self._peer, self._scheduler, strict=self.n_hosts > 1, op_timeout=self.op_timeout,
                                  events=self.events)
+        from resource_manager.metrics import HostMetrics
+
+        self.metrics = HostMetrics(self.island, self.index, self.stats)
         return {"island": self.island, "host": self.index, "pid": os.getpid(),
+                "ip": ray.util.get_node_ip_address(),
                 "node": ray.get_runtime_context().get_node_id(), "devices": self.devices.describe()}
 
     def _scheduler(self) -> Any:
@@ -198,6 +203,7 @@ class Host:
                    "by_tenant": self.table.by_tenant(),
                    "compiles": self.exes.compiles, "cache_hits": self.exes.hits, "executables": len(self.exes),
                    "next_seq": self._next_seq, "waiting": len(self._pending),
-                   "uptime_s": time.time() - self.started}
+                   "uptime_s": time.time() - self.started,
+                   "busy_fraction": self.metrics.busy_fraction if self.metrics is not None else 0.0}
             out.update(self.executor.stats())
         return out

@@ -1,4 +1,9 @@
-"""An island: its host actors (one per host, devices set before JAX loads) and its scheduler."""
+"""An island: its host actors (one per host, devices set before JAX loads) and its scheduler.
+
+Each island's hosts and scheduler go into the island's placement group
+(``resource_manager.nodes``): an island's hosts share a node, and islands
+spread over the cluster's nodes unless the topology pins them.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ import ray
 from pathways.names import host_name, scheduler_name
 from pathways.topology import Topology
 from resource_manager.host import Host
+from resource_manager.nodes import IslandPlacement, alive_nodes, reserve, user_labels
 from resource_manager.scheduler import Scheduler
 
 
@@ -19,6 +25,7 @@ class Island:
     scheduler: Any
     hosts: list[Any]
     host_info: list[dict]
+    placement: IslandPlacement
 
 
 def host_runtime_env(topology: Topology) -> dict:
@@ -29,23 +36,27 @@ def host_runtime_env(topology: Topology) -> dict:
 
 
 def start_islands(topology: Topology, namespace: str, op_timeout: float, start_timeout: float) -> list[Island]:
-    """Start every island's hosts in parallel (each island a jax.distributed group when it has
-    several hosts), then one scheduler per island."""
+    """Reserve every island's node, start all hosts in parallel (each island a jax.distributed group when
+    it has several hosts), then one scheduler per island, next to its first host."""
+    placements = reserve(topology, start_timeout)
     n = topology.hosts_per_island
     gpus = topology.devices_per_host if topology.platform == "gpu" else 0
     actor = ray.remote(Host)
     options = {"num_cpus": 0, "num_gpus": gpus, "max_concurrency": 64, "namespace": namespace,
                "runtime_env": host_runtime_env(topology)}
-    hosts = [[actor.options(name=host_name(i, h), **options).remote(i, h, n, namespace, op_timeout)
-              for h in range(n)] for i in range(topology.islands)]
+    hosts = [[actor.options(name=host_name(p.island, h), scheduling_strategy=p.strategy_for(h), **options)
+              .remote(p.island, h, n, namespace, op_timeout) for h in range(n)] for p in placements]
     coordinators = ray.get([hs[0].coordinator.remote() for hs in hosts], timeout=start_timeout) if n > 1 \
         else [None] * topology.islands
     starts = [[h.start.remote(c) for h in hs] for hs, c in zip(hosts, coordinators)]
     infos = [ray.get(s, timeout=start_timeout) for s in starts]
+    nodes = alive_nodes()
     islands = []
-    for i, (hs, info) in enumerate(zip(hosts, infos)):
-        scheduler = ray.remote(Scheduler).options(name=scheduler_name(i), namespace=namespace,
-                                                  num_cpus=0).remote(i, hs)
-        islands.append(Island(i, scheduler, hs, info))
+    for p, hs, info in zip(placements, hosts, infos):
+        for host in info:
+            host["node_labels"] = user_labels(host["node"], nodes)
+        scheduler = ray.remote(Scheduler).options(name=scheduler_name(p.island), namespace=namespace, num_cpus=0,
+                                                  scheduling_strategy=p.strategy_for(0)).remote(p.island, hs)
+        islands.append(Island(p.island, scheduler, hs, info, p))
     ray.get([isl.scheduler.warm.remote() for isl in islands], timeout=start_timeout)
     return islands

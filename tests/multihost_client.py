@@ -62,6 +62,30 @@ def gang(tenant: str, n: int) -> dict:
     return {"tenant": tenant, "programs": n, "ok": ok}
 
 
+def traced(path: str) -> dict:
+    """Two programs interleaved on the 2-host island under pw.trace: each host's fragment order."""
+    pw.init(tenant="tracer", timeouts=pw.Timeouts(fetch=60.0, op=60.0))
+    s = pw.slice((4,), ("x",), island=0)
+    f = pw.jit(lambda v: v * 0.5 + jnp.sum(v), slice=s, in_specs=(P("x"),), out_specs=P("x"))
+    g = pw.jit(lambda v: jnp.cos(v) - jnp.mean(v), slice=s, in_specs=(P("x"),), out_specs=P("x"))
+    v = pw.put(np.arange(16, dtype=np.float32), s, P("x"))
+    with pw.trace(path):
+        outs = [fn(v) for _ in range(10) for fn in (f, g)]
+        outs[-1].block_until_ready()
+    events = json.load(open(path))["traceEvents"]
+    order = {}
+    for e in sorted((e for e in events if e.get("cat") == "fragment" and e["pid"] == 100), key=lambda e: e["ts"]):
+        order.setdefault(e["tid"], []).append(e["args"]["seq"])
+    pw.shutdown()
+    return {"orders": [order.get(0, []), order.get(1, [])]}
+
+
 if __name__ == "__main__":
-    result = spmd() if sys.argv[1] == "spmd" else gang(sys.argv[2], int(sys.argv[3]))
+    mode = sys.argv[1]
+    if mode == "spmd":
+        result = spmd()
+    elif mode == "trace":
+        result = traced(sys.argv[2])
+    else:
+        result = gang(sys.argv[2], int(sys.argv[3]))
     print(json.dumps(result), flush=True)

@@ -51,3 +51,9 @@ def test_two_clients_interleave_collectives_on_one_island(multihost):
     procs = [client(multihost, "gang", tenant, "220") for tenant in ("a", "b")]
     results = [result(p) for p in procs]
     assert all(r["ok"] and r["programs"] == 220 for r in results), results
+
+
+def test_trace_shows_the_same_order_on_every_host(multihost, tmp_path):
+    r = result(client(multihost, "trace", str(tmp_path / "trace.json")))
+    host0, host1 = r["orders"]
+    assert len(host0) >= 20 and host0 == host1, r

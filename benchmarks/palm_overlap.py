@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import time
 from typing import Any
@@ -80,6 +81,25 @@ def exchange_alone(step: TrainStep, state: PodState, repeats: int) -> float:
     return statistics.median(times)
 
 
+def exposed_exchange(step: TrainStep, state: PodState, batches: list[dict], path: str) -> tuple[PodState, dict]:
+    """Run a block under pw.trace; per island, ms per step spent waiting for receives, and spent sending."""
+    with pw.trace(path):
+        state, _ = run_block(step, state, batches)
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    out: dict[str, dict[str, float]] = {}
+    for e in events:
+        island = e.get("pid", 0) - 100
+        if island < 0 or e.get("ph") != "X":
+            continue
+        kind = ("recv_wait_ms" if e["cat"] == "wait" and e["args"].get("op") == "recv"
+                else "send_ms" if e["cat"] == "send" and e["name"] == "send shards" else None)
+        if kind:
+            per_island = out.setdefault(f"island {island}", {"recv_wait_ms": 0.0, "send_ms": 0.0})
+            per_island[kind] += e["dur"] / 1e3 / len(batches)
+    return state, out
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default="small", choices=sorted(CONFIGS))
@@ -88,6 +108,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--block", type=int, default=5, help="steps per timed block")
     parser.add_argument("--blocks", type=int, default=6, help="timed blocks per mode (interleaved)")
     parser.add_argument("--json", default="palm_overlap.json")
+    parser.add_argument("--trace-dir", default=".", help="where the pw.trace files of one block per mode go")
     args = parser.parse_args(argv)
 
     config = CONFIGS[args.config]
@@ -112,6 +133,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for mode in MODES:
                 states[mode], per_step = run_block(steps[mode], states[mode], batches)
                 times[mode].append(per_step)
+        exposed = {}
+        for mode in MODES[1:]:
+            path = os.path.join(args.trace_dir, f"palm_{mode}.trace.json")
+            states[mode], exposed[mode] = exposed_exchange(steps[mode], states[mode], batches, path)
         alone = exchange_alone(steps["after"], states["after"], repeats=5)
     finally:
         pw.shutdown()
@@ -119,15 +144,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     medians = {m: statistics.median(t) for m, t in times.items()}
     grad_bytes = 4 * config.n_params()
     result = {"config": args.config, "layer_groups": config.layer_groups, "batch": args.batch,
-              "grad_bytes": grad_bytes, "exchange_one_way_s": alone, "median_step_s": medians, "step_s": times}
+              "grad_bytes": grad_bytes, "exchange_one_way_s": alone, "median_step_s": medians, "step_s": times,
+              "exposed_exchange": exposed}
     print(f"PaLM two-pod step, config {args.config} ({config.layer_groups} layer groups), global batch "
           f"{args.batch}, {args.blocks} blocks x {args.block} steps per mode")
     print(f"gradients per pod: {grad_bytes / 2**20:.2f} MiB; one direction alone: {alone * 1e3:.1f} ms")
-    print(f"{'mode':<10}{'median s/step':>15}{'vs local':>10}   all blocks")
+    print(f"{'mode':<9}{'median s/step':>14}{'vs local':>9}{'recv wait ms/step':>19}{'send ms/step':>14}"
+          "   s/step of every block")
     for mode in MODES:
         ratio = medians[mode] / medians["local"]
+        stats = [exposed.get(mode, {}).get(f"island {i}", {}) for i in (0, 1)]
+        waits = "/".join(f"{st.get('recv_wait_ms', 0):.0f}" for st in stats)
+        sends = "/".join(f"{st.get('send_ms', 0):.0f}" for st in stats)
         blocks = " ".join(f"{t:.3f}" for t in times[mode])
-        print(f"{mode:<10}{medians[mode]:>15.3f}{ratio:>10.3f}   {blocks}")
+        print(f"{mode:<9}{medians[mode]:>14.3f}{ratio:>9.3f}{waits:>19}{sends:>14}   {blocks}")
+    print("(recv wait and send: island 0/island 1, from one traced block per mode)")
     saved = medians["after"] - medians["overlap"]
     print(f"overlap saves {saved * 1e3:.1f} ms/step ({100 * saved / medians['after']:.1f}% of 'after')")
     with open(args.json, "w") as f:

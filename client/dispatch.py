@@ -17,6 +17,7 @@ from client.lowering import lower, placement_of
 from client.session import current
 from client.tracer import Traced
 from pathways import wire
+from pathways.errors import ProgramError
 
 
 def dispatch(traced: Traced, leaves: list) -> Any:
@@ -25,7 +26,7 @@ def dispatch(traced: Traced, leaves: list) -> Any:
     inputs = [leaf for leaf in leaves if isinstance(leaf, Array)]
     for a in inputs:
         if a.slice.released:
-            raise_released(a)
+            raise ProgramError(f"{a} lives on slice {a.slice.key}, which was released; its buffers are gone")
     lowered = traced.lowered
     if lowered is None or lowered.placement != placement_of(program):
         start = time.time()
@@ -55,9 +56,3 @@ def dispatch(traced: Traced, leaves: list) -> Any:
             outputs.append(Array(session, base + value.slot, value.shape, value.dtype, value.slice, value.spec,
                                  lineage))
     return jax.tree_util.tree_unflatten(program.out_tree, outputs)
-
-
-def raise_released(a: Array) -> None:
-    from pathways.errors import ProgramError
-
-    raise ProgramError(f"{a} lives on slice {a.slice.key}, which was released; its buffers are gone")

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import jax.numpy as jnp
 import numpy as np
@@ -143,10 +144,12 @@ def test_garbage_messages_are_refused_and_hosts_keep_serving(cluster):
 def test_second_process_sees_the_same_cluster(cluster):
     with pw.slice((3,), ("x",), island=1) as mine:
         script = textwrap.dedent("""
-            import json, pathways as pw
-            pw.init(address="auto")
+            import json, numpy as np, pathways as pw
+            pw.init(address="auto", tenant="visitor")
             st = pw.status()
             other = pw.slice((1,), ("x",), island=0)
+            kept = [pw.jit(lambda v: v * 2, slice=other)(pw.put(np.ones(3), other)) for _ in range(4)]
+            kept[-1].block_until_ready()
             print(json.dumps({"islands": len(st.islands), "keys": [a["key"] for a in st.allocations],
                               "topology": str(st.topology), "other": other.key}))
             pw.shutdown()
@@ -157,6 +160,10 @@ def test_second_process_sees_the_same_cluster(cluster):
         seen = json.loads(proc.stdout.strip().splitlines()[-1])
         assert seen["islands"] == 2 and mine.key in seen["keys"]
         assert seen["topology"] == str(cluster.topology)
-        # the other client's slice went away with its session, and the cluster is still ours
+        # the other client's slice and buffers went away with its session, and the cluster is still ours
         assert seen["other"] not in {a["key"] for a in pw.status().allocations}
+        deadline = time.monotonic() + 20
+        while "visitor" in host_stats(cluster, 0)["by_tenant"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert "visitor" not in host_stats(cluster, 0)["by_tenant"]  # its buffer count is back to zero
     assert pw.status().islands[1].healthy

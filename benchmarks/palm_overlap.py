@@ -5,8 +5,9 @@ machine hurts them alike, and reports the median time per step of each:
 
 - ``local``: each pod applies only its own gradients (no exchange; pods diverge): the floor.
 - ``after``: the exchange follows the whole backward pass, as PaLM ran it.
-- ``overlap``: each piece is sent (``pw.transfer``) as soon as the backward produced it.
-- ``late``: no ``pw.transfer`` at all; the transfers are traced where the optimizer reads them.
+- ``overlap``: the default step: the runtime sends each piece right after the stage that produced it,
+  and the receives wait where the optimizer reads them.
+- ``explicit``: each stage's pieces get a ``pw.transfer`` right after the stage (receives placed there too).
 
 A block dispatches ``--block`` steps back to back and waits for the last, so
 the numbers are per-step throughput with asynchronous dispatch. It also times
@@ -33,28 +34,35 @@ from examples.palm import data, model, optim
 from examples.palm.config import CONFIGS
 from examples.palm.step import PodState, TrainStep
 
-MODES = ("local", "after", "overlap", "late")
+MODES = ("local", "after", "overlap", "explicit")
 
 
 class LocalStep(TrainStep):
     """The same backward on every pod, but each pod applies only its own gradients: no exchange at all."""
 
     def _step(self, params: list, opt_state: list, batch: list) -> tuple:
-        pods = range(self.pods)
-        staged = [dict(self._backward(params[p], batch[p])) for p in pods]
-        outs = []
-        for p in pods:
-            grads = {"head": staged[p]["head"][1], "lookup": staged[p]["lookup"],
-                     "groups": [staged[p][g] for g in range(self.config.layer_groups)]}
-            outs.append(self.fns.apply[1](params[p], opt_state[p], grads))
-        return [o[0] for o in outs], [o[1] for o in outs], [s["head"][0] for s in staged], [o[2] for o in outs]
+        metrics, grads = self._all_grads(params, batch)
+        outs = [self.fns.apply[1](params[p], opt_state[p], grads[p]) for p in range(self.pods)]
+        return [o[0] for o in outs], [o[1] for o in outs], metrics, [o[2] for o in outs]
 
 
-class LateStep(TrainStep):
-    """No pw.transfer during the backward: the transfers are traced where the optimizer reads them."""
+class ExplicitStep(TrainStep):
+    """The pods' backward passes advance stage by stage, and each stage's pieces get a pw.transfer at once.
 
-    def _send(self, pod: int, tree: Any) -> None:
-        return None
+    That places each receive right after the stage too, so a pod waits for the other pod's piece of a
+    stage before it starts its next one.
+    """
+
+    def _all_grads(self, params: list, batch: list) -> tuple[list, list]:
+        pieces: list[dict] = [{} for _ in range(self.pods)]
+        for stage in zip(*[self._backward(params[p], batch[p]) for p in range(self.pods)]):
+            for p, (key, piece) in enumerate(stage):
+                pieces[p][key] = piece
+                for q, s in enumerate(self.slices):
+                    if q != p:
+                        pw.transfer(piece[1] if key == "head" else piece, s)
+        metrics, grads = zip(*[self._assemble(p) for p in pieces])
+        return list(metrics), list(grads)
 
 
 def run_block(step: TrainStep, state: PodState, batches: list[dict]) -> tuple[PodState, float]:
@@ -121,7 +129,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         steps = {"local": LocalStep(config, optim_config, slices),
                  "after": TrainStep(config, optim_config, slices, overlap=False),
                  "overlap": TrainStep(config, optim_config, slices, overlap=True),
-                 "late": LateStep(config, optim_config, slices, overlap=True)}
+                 "explicit": ExplicitStep(config, optim_config, slices, overlap=True)}
         params = jax.jit(model.init_params, static_argnums=0)(config, jax.random.key(0))
         host_state = (params, optim.init_opt_state(params, optim_config))
         batches = [data.batch(i, 0, args.batch, config.seq_len) for i in range(args.block)]

@@ -191,19 +191,38 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 
 def _remove_runtime(address: str, stop_jobs: bool) -> list[str]:
-    """Kill the runtime's named actors (resource manager, schedulers, hosts). On a head we keep,
-    also stop the jobs `pathways submit` started that still run: they would recreate a resource manager."""
+    """Kill the runtime's named actors, the resource manager first (it owns the islands' actors, so
+    they die with it). On a head we keep, also stop the jobs `pathways submit` started that still
+    run: they would recreate a resource manager."""
     import ray
 
-    from pathways.names import NAMESPACE
+    from pathways.names import NAMESPACE, RESOURCE_MANAGER
 
     _connect(address)
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE]
+
+    def named() -> list[str]:
+        return sorted((a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                       if a["namespace"] == NAMESPACE and (a["name"] == RESOURCE_MANAGER
+                                                            or a["name"].startswith("island-"))),
+                      key=lambda n: n != RESOURCE_MANAGER)
+
+    names = named()
     for name in names:
-        try:
-            ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
-        except ValueError:  # already gone: its owner (the resource manager) died first
-            pass
+        for attempt in range(3):  # a handle can fail to load while the GCS is busy; retry briefly
+            try:
+                ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+                break
+            except ValueError:  # already gone: its owner (the resource manager) died first
+                break
+            except Exception as exc:
+                if attempt == 2:
+                    print(f"could not kill {name}: {type(exc).__name__}: {exc}", file=sys.stderr)
+                time.sleep(0.5)
+    deadline = time.monotonic() + 30
+    while (left := named()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if left:
+        raise CliError(f"these runtime actors survived: {left}")
     ray.shutdown()
     if stop_jobs:
         client = jobs.job_client(timeout=10.0)
@@ -302,6 +321,8 @@ def _slices_by_tenant(st: Any) -> dict[str, list[str]]:
 def cmd_submit(args: argparse.Namespace) -> int:
     entrypoint = args.entrypoint[1:] if args.entrypoint[:1] == ["--"] else args.entrypoint
     jobs.check_tenant(args.tenant, args.weight)
+    if not entrypoint:
+        raise CliError("nothing to run: put the command after `--`, e.g. pathways submit --tenant a -- python x.py")
     address = jobs.resolve_address(args.address)
     client = jobs.job_client()
     job_id = jobs.submit(client, args.tenant, args.weight, entrypoint, os.path.abspath(args.working_dir))

@@ -250,7 +250,7 @@ def submit(client: Any, tenant: str, weight: float, entrypoint: list[str], worki
     """
     check_tenant(tenant, weight)
     if not entrypoint:
-        raise CliError("nothing to run: put the command after `--`, e.g. pathways submit --tenant a -- python x.py")
+        raise CliError("nothing to run: no command given")
     if not Path(working_dir).is_dir():
         raise CliError(f"working directory {working_dir!r} does not exist")
     submission_id = f"{tenant}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"

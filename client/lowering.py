@@ -1,8 +1,8 @@
 """Lowering: a location-agnostic Program -> one Fragment template per island.
 
 A fragment lists its island's ops in order: computations, the sends and
-receives of every value crossing islands, local reshards, and frees placed
-right after each intermediate's last use. Ops name values by *slot*; each
+receives of every value crossing islands, and local reshards; each op
+carries the intermediates to free right after it (their last use there). Ops name values by *slot*; each
 call supplies the ids (inputs, plus a fresh block minted by the client), so
 one encoded template serves every call until the slice placement changes.
 """
@@ -116,18 +116,13 @@ def _writes(op: dict) -> list[int]:
 
 
 def _with_frees(ops: list[dict], keep: set[int]) -> list[dict]:
-    """Insert a free after the last op that touches each intermediate value on this island."""
+    """Attach to each op the intermediates whose last touch on this island it is: freed right after it."""
     last: dict[int, int] = {}
     for i, op in enumerate(ops):
         for slot in _reads(op) + _writes(op):
             if slot not in keep:
                 last[slot] = i
-    after: dict[int, list[int]] = {}
+    frees: dict[int, list[int]] = {}
     for slot, i in last.items():
-        after.setdefault(i, []).append(slot)
-    out = []
-    for i, op in enumerate(ops):
-        out.append(op)
-        if i in after:
-            out.append({"op": "free", "slots": sorted(after[i])})
-    return out
+        frees.setdefault(i, []).append(slot)
+    return [{**op, "frees": sorted(frees[i])} if i in frees else op for i, op in enumerate(ops)]

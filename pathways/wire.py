@@ -24,14 +24,14 @@ AVAL = {"shape": ("list", int), "dtype": str}
 SLICE = {"key": str, "shape": ("list", int), "axes": ("list", str), "devices": ("list", ("list", int))}
 ROUTE = {"host": int, "to": int, "shards": ("list", ("list", ("list", int)))}
 
+FREES = ("opt", ("list", int))  # slots freed right after the op: intermediates at their last use
 OPS: dict[str, dict] = {
     "exec": {"exe": str, "slice": str, "in": ("list", int), "out": ("list", int),
-             "in_specs": ("list", SPEC), "out_specs": ("list", SPEC), "name": str},
-    "send": {"in": int, "key": int, "island": int, "routes": ("list", ROUTE)},
+             "in_specs": ("list", SPEC), "out_specs": ("list", SPEC), "name": str, "frees": FREES},
+    "send": {"in": int, "key": int, "island": int, "routes": ("list", ROUTE), "frees": FREES},
     "recv": {"out": int, "slice": str, "spec": SPEC, "aval": AVAL, "src": int,
-             "expect": ("list", ("list", int))},
-    "reshard": {"in": int, "out": int, "slice": str, "spec": SPEC},
-    "free": {"slots": ("list", int)},
+             "expect": ("list", ("list", int)), "frees": FREES},
+    "reshard": {"in": int, "out": int, "slice": str, "spec": SPEC, "frees": FREES},
 }
 
 MESSAGES: dict[str, dict] = {

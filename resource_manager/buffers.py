@@ -87,7 +87,7 @@ class BufferTable:
                     self._drop(i)
 
     def free(self, ids: list[int], tenant: str) -> None:
-        with self._cond:
+        with self._cond:  # re-entrant: the executor frees while holding it
             for i in ids:
                 entry = self._entries.get(i)
                 if entry is not None and entry.tenant != tenant:

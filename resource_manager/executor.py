@@ -56,17 +56,19 @@ class Run:
 
     def touches(self, op: dict) -> list[int]:
         """Ids the op reads or writes: a free arriving meanwhile must wait until the op is done."""
-        ids = []
-        for table in (READS, WRITES):
-            name = table.get(op["op"])
-            if name is None:
-                continue
-            slots = op[name]
-            if op["op"] == "put":
-                ids.append(slots)
-            else:
-                ids.extend(self.rid(s) for s in (slots if isinstance(slots, list) else [slots]))
-        return ids
+        if op["op"] == "put":
+            return [op["id"]]
+        slots = op.get("_touches")
+        if slots is None:  # template ops are decoded once and shared by every call: compute once
+            slots = []
+            for table in (READS, WRITES):
+                name = table.get(op["op"])
+                if name is not None:
+                    value = op[name]
+                    slots.extend(value if isinstance(value, list) else [value])
+            op["_touches"] = slots
+        n, base, inputs = self.n_inputs, self.base, self.inputs
+        return [inputs[s] if s < n else base + s for s in slots]
 
 
 @dataclass
@@ -99,7 +101,7 @@ class Executor:
         self.busy_s = 0.0
         self._sender = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"send-{island}.{host}")
         self._handlers = {"exec": self._exec, "send": self._send, "recv": self._recv,
-                          "reshard": self._reshard, "free": self._free, "put": self._put}
+                          "reshard": self._reshard, "put": self._put}
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name=f"executor-{island}.{host}", daemon=True)
         self._thread.start()
@@ -198,6 +200,8 @@ class Executor:
                 self._trace_op(run, op, wall, elapsed)
             with self.cond:
                 self.table.done_using(run.touches(op))
+                if "frees" in op:
+                    self.table.free([run.rid(s) for s in op["frees"]], run.tenant)
             run.pc += 1
             run.waiting_since = None
             self.ops_run += 1
@@ -266,8 +270,12 @@ class Executor:
         if failure is not None:
             self._fail_op(run, op, failure)
             return True
-        mesh, key = self.devices.mesh(desc)
-        compiled = self.exes.get(op["exe"], mesh, key, op["in_specs"], op["out_specs"])
+        compiled = op.get("_compiled")
+        if compiled is None:  # first run of this template op on this host
+            mesh, key = self.devices.mesh(desc)
+            compiled = op["_compiled"] = self.exes.get(op["exe"], mesh, key, op["in_specs"], op["out_specs"])
+        else:
+            self.exes.hits += 1
         results = compiled(*[e.value for e in entries])
         # One launch at a time: XLA's CPU collectives deadlock when many multi-device launches are in
         # flight, and blocking makes the island time charged to each tenant (and traced) real.
@@ -349,10 +357,6 @@ class Executor:
         array = assemble(shape, dtype, self.devices.sharding(desc, spec),
                          self.devices.wanted(desc, shape, spec), box.pieces)
         self.table.put(out, run.tenant, array)
-        return True
-
-    def _free(self, run: Run, op: dict) -> bool:
-        self.table.free([run.rid(s) for s in op["slots"]], run.tenant)
         return True
 
     def _put(self, run: Run, op: dict) -> bool:

@@ -1,8 +1,11 @@
 """An island: its host actors (one per host, devices set before JAX loads) and its scheduler.
 
-Each island's hosts and scheduler go into the island's placement group
+Each island's hosts go into the island's placement group
 (``resource_manager.nodes``): an island's hosts share a node, and islands
-spread over the cluster's nodes unless the topology pins them.
+spread over the cluster's nodes unless the topology pins them. The
+schedulers stay on the resource manager's node, with the rest of the control
+plane: losing an island's node then loses only that island, and the
+resource manager can still reach every scheduler it must tell about clients.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pathways.names import host_name, scheduler_name
 from pathways.topology import Topology
@@ -37,7 +41,7 @@ def host_runtime_env(topology: Topology) -> dict:
 
 def start_islands(topology: Topology, namespace: str, op_timeout: float, start_timeout: float) -> list[Island]:
     """Reserve every island's node, start all hosts in parallel (each island a jax.distributed group when
-    it has several hosts), then one scheduler per island, next to its first host."""
+    it has several hosts), then one scheduler per island on this (the resource manager's) node."""
     placements = reserve(topology, start_timeout)
     n = topology.hosts_per_island
     gpus = topology.devices_per_host if topology.platform == "gpu" else 0
@@ -51,12 +55,13 @@ def start_islands(topology: Topology, namespace: str, op_timeout: float, start_t
     starts = [[h.start.remote(c) for h in hs] for hs, c in zip(hosts, coordinators)]
     infos = [ray.get(s, timeout=start_timeout) for s in starts]
     nodes = alive_nodes()
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
     islands = []
     for p, hs, info in zip(placements, hosts, infos):
         for host in info:
             host["node_labels"] = user_labels(host["node"], nodes)
         scheduler = ray.remote(Scheduler).options(name=scheduler_name(p.island), namespace=namespace, num_cpus=0,
-                                                  scheduling_strategy=p.strategy_for(0)).remote(p.island, hs)
+                                                  scheduling_strategy=here).remote(p.island, hs)
         islands.append(Island(p.island, scheduler, hs, info, p))
     ray.get([isl.scheduler.warm.remote() for isl in islands], timeout=start_timeout)
     return islands

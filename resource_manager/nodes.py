@@ -57,7 +57,7 @@ class IslandPlacement:
     strategy: str
 
     def strategy_for(self, host: int) -> PlacementGroupSchedulingStrategy:
-        """The scheduling strategy that puts host ``host`` (or, for host 0, the island's scheduler) in its bundle."""
+        """The scheduling strategy that puts host ``host`` of the island in its bundle."""
         return PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=host)
 
 

@@ -9,8 +9,10 @@ Scenarios, in order (the last one removes a node):
              node label: the multi-host checks of multihost_client.spmd.
   node_loss  the worker node (island 0) is removed while island 0 has work pending.
 
-The script sets ``RAY_TMPDIR`` to a private folder before Ray loads, so the cluster's address file does not
-replace ``/tmp/ray/ray_current_cluster``, which a plain ``ray.init()`` elsewhere on this machine would follow.
+Before Ray loads, the script sets ``RAY_TMPDIR`` to a private folder, so the cluster's address file does not
+replace ``/tmp/ray/ray_current_cluster`` (which a plain ``ray.init()`` elsewhere on this machine would follow),
+and ``RAY_AUTH_MODE=token``, so every process of the cluster uses token authentication, as after `ray start`:
+``Cluster()`` alone starts its nodes without it, and a client that attaches with a token is then refused.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from collections.abc import Callable, Sequence
 
 if __name__ == "__main__":
     os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="pwmn-", dir="/tmp")
+    os.environ.setdefault("RAY_AUTH_MODE", "token")  # as `ray start` turns it on; Cluster() alone does not
 
 import numpy as np
 
@@ -98,6 +101,27 @@ def start_cluster():
     return cluster, worker
 
 
+def start_runtime(topology: pw.Topology, address: str) -> None:
+    """pw.init on the cluster, with the resource manager started on the head node first.
+
+    pw.init alone starts it wherever Ray's GCS puts a zero-CPU actor, which may be the worker node that
+    node_loss removes; on a real cluster the control plane belongs on the head, which outlives the workers.
+    """
+    import ray
+
+    from pathways.names import NAMESPACE, RESOURCE_MANAGER
+    from resource_manager.manager import ResourceManager
+
+    if not ray.is_initialized():
+        ray.init(address=address, namespace=NAMESPACE)
+    timeouts = pw.Timeouts(**TIMEOUTS)
+    ray.remote(ResourceManager).options(
+        name=RESOURCE_MANAGER, namespace=NAMESPACE, lifetime="detached", get_if_exists=True, num_cpus=0,
+        max_concurrency=1, resources={"node:__internal_head__": 0.001},
+    ).remote(topology.to_wire(), NAMESPACE, timeouts.op, timeouts.start)
+    pw.init(topology=topology, timeouts=timeouts)
+
+
 def stop_runtime(timeout: float = 60.0) -> None:
     """Disconnect, then kill the resource manager and islands (what `pathways down` does) and wait for their
     names to be free, so the next pw.init starts a runtime of another topology."""
@@ -128,7 +152,7 @@ def emit(scenario: str, fn: Callable[[], dict]) -> None:
 # -- the scenarios -------------------------------------------------------------------------------------------
 
 def readme(address: str) -> dict:
-    pw.init(topology=pw.Topology(2, 1, 4), address=address, timeouts=pw.Timeouts(**TIMEOUTS))
+    start_runtime(pw.Topology(2, 1, 4), address)
     s1, s2 = pw.slice((2,), ("x",), island=0), pw.slice((2,), ("x",), island=1)
     y, z = readme_example(s1, s2)
     s1.release()
@@ -149,7 +173,7 @@ def multihost(address: str) -> dict:
 
     stop_runtime()
     topology = pw.Topology(2, 2, 2, host_resources={0: {WORKER_SLOT: 1}}, node_labels={1: {NODE_LABEL: "head"}})
-    pw.init(topology=topology, address=address, timeouts=pw.Timeouts(**TIMEOUTS))
+    start_runtime(topology, address)
     nodes = placement()
     checks = multihost_client.spmd()  # attaches to this runtime, runs, disconnects
     pw.init(timeouts=pw.Timeouts(**TIMEOUTS))
@@ -217,8 +241,8 @@ def main(argv: Sequence[str]) -> None:
             emit("multihost", lambda: multihost(cluster.address))
         if "node_loss" in wanted:
             emit("node_loss", lambda: node_loss(cluster, worker))
-        pw.shutdown()
     finally:
+        pw.shutdown()  # before ray.shutdown: a client thread calling Ray afterwards would reconnect
         ray.shutdown()
         cluster.shutdown()
     print(json.dumps({"done": round(time.monotonic() - start, 1)}), flush=True)

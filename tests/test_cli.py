@@ -112,8 +112,13 @@ def test_up_starts_a_head_and_records_it(pw_cli):
     assert state["address"].endswith(f":{pw_cli.port}") and alive(state["head_pid"])
     assert f'pw.init(address="{state["address"]}")' in pw_cli.up_out
     assert f"RAY_ADDRESS={state['address']}" in pw_cli.up_out and "pathways submit" in pw_cli.up_out
-    again = pw_cli("up", "--port", str(free_port()), ok=False)
-    assert again.returncode == 1 and "pathways down" in again.stderr
+
+
+
+def test_a_second_up_is_refused(pw_cli, monkeypatch, capsys):
+    monkeypatch.setenv("PATHWAYS_HOME", pw_cli.env["PATHWAYS_HOME"])
+    assert cli.main(["up", "--port", str(free_port())]) == 1
+    assert "already runs a cluster" in capsys.readouterr().err
 
 
 def test_status_reports_islands_hosts_and_health(pw_cli):
@@ -122,41 +127,49 @@ def test_status_reports_islands_hosts_and_health(pw_cli):
     assert {k: st["topology"][k] for k in want} == want
     (island,) = st["islands"]
     assert island["healthy"] and [h["alive"] for h in island["hosts"]] == [True]
-    assert len(island["hosts"][0]["devices"]) == 2 and "queue_depth" in island
-    text = pw_cli("status").stdout
-    assert "ISLAND" in text and "healthy" in text and ("TENANT" in text or "no tenants" in text)
+    assert len(island["hosts"][0]["devices"]) == 2 and "queue_depth" in island and "tenants" in st
 
 
 def test_submit_runs_a_ray_job_as_its_tenant(pw_cli):
-    out = pw_cli("submit", "--tenant", "t1", "--weight", "2", "--", "python", "-c", JOB_SCRIPT).stdout
+    out = pw_cli("submit", "--tenant", "t1", "--weight", "2", "--wait", "--", "python", "-c", JOB_SCRIPT,
+                 timeout=150).stdout
     job = out.split()[1]
     assert out.startswith("submitted ") and job.startswith("t1-")
-    deadline = time.monotonic() + 120
-    while True:
-        (row,) = [r for r in json.loads(pw_cli("jobs", "--json").stdout) if r["id"] == job]
-        if row["status"] in ("SUCCEEDED", "FAILED", "STOPPED") or time.monotonic() > deadline:
-            break
-        time.sleep(1.0)
-    logs = pw_cli("logs", job).stdout
-    assert row["status"] == "SUCCEEDED", logs
-    assert "RESULT 140.0 TENANT t1 WEIGHT 2.0" in logs
-    assert row["tenant"] == "t1" and row["start"] and row["end"] >= row["start"]
-    table = pw_cli("jobs").stdout
-    assert job in table and "SUCCEEDED" in table
+    assert "RESULT 140.0 TENANT t1 WEIGHT 2.0" in out and f"job {job} SUCCEEDED" in out, out
+    assert "RESULT 140.0 TENANT t1 WEIGHT 2.0" in pw_cli("logs", job).stdout
+    (row,) = [r for r in json.loads(pw_cli("jobs", "--json").stdout) if r["id"] == job]
+    assert row["tenant"] == "t1" and row["status"] == "SUCCEEDED" and row["end"] >= row["start"] > 0
     tenants = json.loads(pw_cli("status", "--json").stdout)["tenants"]
     assert tenants["t1"]["weight"] == 2.0
 
 
-def test_stop_and_bad_input(pw_cli):
+def test_stop_and_jobs_table(pw_cli):
     out = pw_cli("submit", "--tenant", "t2", "--", "python", "-c", "import time; time.sleep(300)").stdout
     job = out.split()[1]
     assert pw_cli("stop", job, timeout=90).stdout.strip() == f"job {job} STOPPED"
-    for args, words in [(("logs", "no-such-job"), "no job 'no-such-job'"),
-                        (("submit", "--tenant", "bad name", "--", "python", "x.py"), "tenant 'bad name'"),
-                        (("submit", "--tenant", "t3"), "nothing to run"),
-                        (("status", "--address", "http://127.0.0.1:8265"), "looks like a URL")]:
-        proc = pw_cli(*args, ok=False)
-        assert proc.returncode == 1 and words in proc.stderr, (args, proc.stderr)
+    table = pw_cli("jobs").stdout.splitlines()
+    assert table[0].split()[:4] == ["ID", "TENANT", "WEIGHT", "STATUS"]
+    assert any(line.startswith(job) and " t2 " in line and "STOPPED" in line for line in table)
+    proc = pw_cli("logs", "no-such-job", ok=False)
+    assert proc.returncode == 1 and "no job 'no-such-job'" in proc.stderr
+
+
+@pytest.mark.parametrize("args, words", [
+    (["submit", "--tenant", "bad name", "--", "python", "x.py"], "tenant 'bad name'"),
+    (["submit", "--tenant", "t3"], "nothing to run"),
+    (["submit", "--tenant", "t3", "--weight", "-1", "--", "python", "x.py"], "weight must be positive"),
+    (["status", "--address", "http://127.0.0.1:8265"], "looks like a URL"),
+    (["up", "--islands", "0"], "Topology.islands must be a positive int"),
+    (["up", "--quota", "0"], "--quota must be a positive"),
+])
+def test_bad_input_is_one_line_error(args, words, capsys, monkeypatch, tmp_path):
+    """Refused before anything touches Ray (so run in-process)."""
+    for name in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_API_SERVER_ADDRESS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PATHWAYS_HOME", str(tmp_path))
+    assert cli.main(args) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("pathways: error: ") and words in err and "Traceback" not in err
 
 
 def test_down_of_a_joined_cluster_leaves_the_head(pw_cli, tmp_path):
@@ -187,6 +200,25 @@ def test_down_stops_exactly_our_head(pw_cli):
     print(f"up {pw_cli.up_s:.1f}s, down {took:.1f}s")
 
 
+def test_status_table():
+    from pathways.cluster import ClusterStatus, HostStatus, IslandStatus
+    from pathways.topology import Topology
+
+    host = HostStatus(island=0, host=0, node="abcdef0123456789", devices=["cpu:0", "cpu:1"], alive=True,
+                      buffers=3, buffer_bytes=3 << 20, queue_depth=1, busy_s=2.5)
+    island = IslandStatus(0, True, "", [host], queue_depth=4, tenant_time_s={"alice": 1.0, "bob": 3.0})
+    st = ClusterStatus(Topology(1, 1, 2), [island], [{"key": "s1", "shape": [2], "axes": ["x"], "island": 0,
+                                                       "tenant": "bob", "devices": [[0, 0], [0, 1]]}],
+                       tenants={"alice": {"weight": 1.0, "quota": None, "clients": 1, "devices": 0},
+                                "bob": {"weight": 3.0, "quota": 2, "clients": 1, "devices": 2},
+                                cli.CLI_TENANT: {"weight": 1.0, "quota": None, "clients": 1, "devices": 0}})
+    lines = cli.render_status(st, "10.0.0.1:6379").splitlines()
+    assert lines[3].split() == ["0", "healthy", "1/1", "2", "4", "alice", "25%", "(1.0s),", "bob", "75%", "(3.0s)"]
+    assert lines[6].split() == ["0/0", "abcdef012345", "2", "yes", "3", "(3.0", "MiB)", "0", "0", "1", "0", "2.5s"]
+    assert lines[9].split() == ["bob", "3.0", "2", "1", "2", "s1(2,)@island0"]
+    assert not any(cli.CLI_TENANT in line for line in lines)
+
+
 def test_address_precedence(tmp_path, monkeypatch):
     monkeypatch.setenv("PATHWAYS_HOME", str(tmp_path))
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
@@ -200,9 +232,7 @@ def test_address_precedence(tmp_path, monkeypatch):
     assert jobs.resolve_address("10.0.0.3:4") == "10.0.0.3:4" == os.environ["RAY_ADDRESS"]
 
 
-def test_table_and_bad_arguments():
+def test_format_and_required_arguments():
     assert cli.table(["A", "LONG"], [[1, "x"], ["wide", 2]]).splitlines() == ["A     LONG", "1     x", "wide  2"]
     with pytest.raises(SystemExit):
         cli.parser().parse_args(["submit"])  # --tenant is required
-    with pytest.raises(jobs.CliError, match="weight must be positive"):
-        jobs.check_tenant("a", 0)

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 import pathways as pw
+from client.lowering import lower
 from examples.palm import checkpoint, data, logs, model, optim
 from examples.palm.config import CONFIGS
 from examples.palm.spikes import SpikeDetector, SpikePolicy
 from examples.palm.step import TrainStep
 from examples.palm.train import TrainOptions, fetch_tree, parse_args, train
-from pathways.graph import Compute, Transfer
 
 TINY = CONFIGS["tiny"]
 OPT = optim.OptimConfig()
@@ -62,24 +62,29 @@ def test_two_pods_stay_bitwise_identical_and_match_one_pod(slices, host_state):
         np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
 
 
-def _graph(step: TrainStep, host_state: tuple):
+def _island0_ops(step: TrainStep, host_state: tuple) -> list[tuple[str, str]]:
+    """(op, computation name) of pod 0's fragment, in the order the host runs them."""
     state = step.put_state(*host_state)
-    return step.program.graph(state.params, state.opt_state, step.put_batch(data.batch(0, 0, BATCH, TINY.seq_len)))
+    graph = step.program.graph(state.params, state.opt_state,
+                               step.put_batch(data.batch(0, 0, BATCH, TINY.seq_len)))
+    return [(op["op"], op.get("name", "")) for op in lower(graph, step.program._last.exes).fragments[0].ops]
 
 
-def test_overlap_sends_each_group_before_the_next_backward(slices, host_state):
-    kinds = {}
+def test_overlap_sends_each_group_while_the_next_backward_runs(slices, host_state):
+    n_pieces = len(jax.tree.leaves(host_state[0])) + 1  # every gradient leaf, + the lookup half of the embedding
     for overlap in (True, False):
-        graph = _graph(TrainStep(TINY, OPT, slices, overlap=overlap), host_state)
-        nodes = graph.nodes
-        first_send = next(i for i, n in enumerate(nodes) if isinstance(n, Transfer))
-        last_backward = max(i for i, n in enumerate(nodes) if isinstance(n, Compute) and "backward" in n.name)
-        kinds[overlap] = (first_send, last_backward)
-        # Every gradient leaf crosses once each way; nothing else does.
-        n_grad_leaves = len(jax.tree.leaves(host_state[0])) + 1  # + the embedding's lookup half
-        assert sum(isinstance(n, Transfer) for n in nodes) == 2 * n_grad_leaves
-    assert kinds[True][0] < kinds[True][1]  # the head's grads leave before the last group's backward
-    assert kinds[False][0] > kinds[False][1]  # PaLM's order: exchange after the whole backward
+        ops = _island0_ops(TrainStep(TINY, OPT, slices, overlap=overlap), host_state)
+        sends = [i for i, (op, _) in enumerate(ops) if op == "send"]
+        recvs = [i for i, (op, _) in enumerate(ops) if op == "recv"]
+        stages = [i for i, (op, name) in enumerate(ops) if name.startswith("stage_backward")]
+        backward_done = max(i for i, (_, name) in enumerate(ops) if name == "embed_backward")
+        apply = next(i for i, (_, name) in enumerate(ops) if name.startswith("apply"))
+        assert len(sends) == len(recvs) == n_pieces
+        assert backward_done < min(recvs) and max(recvs) < apply  # the other pod's grads are waited for last
+        if overlap:  # the head's grads leave before the first group's backward, each group's before the next
+            assert sends[0] < stages[0] and any(stages[0] < i < stages[1] for i in sends)
+        else:  # PaLM's order: nothing leaves before the whole backward is done
+            assert min(sends) > backward_done
 
 
 def test_overlap_and_post_backward_exchange_give_the_same_bits(slices, host_state):

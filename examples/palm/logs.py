@@ -48,16 +48,24 @@ def plot_losses(log_path: str, png_path: str) -> bool:
     except ImportError:
         return False
     events = read(log_path)
-    steps = [(e["step"], e["loss"]) for e in events if e["event"] == "step"]
+    segments: list[list[tuple[int, float]]] = [[]]  # a rollback starts a new segment of the curve
+    for e in events:
+        if e["event"] == "rollback":
+            segments.append([])
+        elif e["event"] == "step":
+            segments[-1].append((e["step"], e["loss"]))
     evals = [(e["step"], e["loss"]) for e in events if e["event"] == "eval"]
     spikes = [(e["step"], e["loss"]) for e in events if e["event"] == "spike"]
     fig, ax = plt.subplots(figsize=(7, 4))
-    if steps:
-        ax.plot(*zip(*steps), lw=1, label="train")
+    segments = [seg for seg in segments if seg]
+    for k, segment in enumerate(segments):  # abandoned timelines drawn faint
+        ax.plot(*zip(*segment), lw=1, color="C0", alpha=1.0 if k == len(segments) - 1 else 0.4,
+                label="train" if k == len(segments) - 1 else None)
     if evals:
-        ax.plot(*zip(*evals), "o-", label="eval (held out)")
+        ax.plot(*zip(*evals), "o-", color="C1", label="eval (held out)")
     if spikes:
         ax.plot(*zip(*spikes), "rx", ms=9, label="spike (rolled back)")
+        ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats per byte)")
     ax.grid(alpha=0.3)

@@ -7,10 +7,14 @@ gradients to the other pod, and applies the optimizer to the sum of all pods'
 gradients, in the same argument order everywhere, so every pod computes
 bitwise-identical parameters.
 
-With ``overlap=True`` each piece is sent (``pw.transfer``) as soon as the
-backward produced it, so the exchange runs while the next layer group's
-backward computes. With ``overlap=False`` the exchange follows the whole
-backward, as PaLM ran it.
+The runtime places each send right after the computation that produced its
+value (sends run on a background thread), and each receive where the program
+reads the value. So with ``overlap=True`` the program moves the gradients
+where the optimizer reads them, each layer group's gradients leave as soon as
+its backward is done, and the exchange runs under the next group's backward.
+With ``overlap=False`` the pieces first pass through one computation that
+needs all of them, so the exchange starts after the whole backward, as PaLM
+ran it.
 """
 
 from __future__ import annotations
@@ -196,9 +200,10 @@ class TrainStep:
 
     # -- the program --------------------------------------------------------------------------------
     def _backward(self, params: dict, batch: dict) -> Iterator[tuple[Any, Any]]:
-        """One pod's forward and staged backward, yielding (key, gradient piece) as each piece is computed.
+        """One pod's forward and staged backward, yielding (key, gradient piece) in the order computed.
 
-        The head's piece comes with the metrics: ("head", (metrics, head grads)).
+        Keys: "head" (with the metrics: (metrics, head grads)), then each group index from the last,
+        then "lookup" (the embedding lookup's half of the embedding gradient).
         """
         fns, config = self.fns, self.config
         groups = model.split_groups(params["layers"], config)
@@ -212,33 +217,27 @@ class TrainStep:
             yield g, group_grads
         yield "lookup", fns.embed_backward(batch["inputs"], cot)
 
-    def _send(self, pod: int, tree: Any) -> None:
-        for q in range(self.pods):
-            if q != pod:
-                pw.transfer(tree, self.slices[q])
+    def _assemble(self, pieces: dict) -> tuple[pw.Array, dict]:
+        """(metrics, gradients) from one pod's pieces: {"head", "groups": [per group], "lookup"}."""
+        metrics, head = pieces["head"]
+        return metrics, {"head": head, "lookup": pieces["lookup"],
+                         "groups": [pieces[g] for g in range(self.config.layer_groups)]}
+
+    def _all_grads(self, params: list, batch: list) -> tuple[list, list]:
+        """Every pod's (metrics, gradients)."""
+        metrics, grads = zip(*[self._assemble(dict(self._backward(params[p], batch[p]))) for p in range(self.pods)])
+        return list(metrics), list(grads)
 
     def _step(self, params: list, opt_state: list, batch: list) -> tuple:
         pods = range(self.pods)
-        pieces: list[dict] = [{} for _ in pods]
-        # The pods' backward passes advance stage by stage together; with overlap, each stage's pieces
-        # are sent before the next stage is traced, so the sends run during the next stage's compute.
-        for stage in zip(*[self._backward(params[p], batch[p]) for p in pods]):
-            for p, (key, piece) in enumerate(stage):
-                pieces[p][key] = piece
-            if self.overlap:
-                for p, (key, piece) in enumerate(stage):
-                    self._send(p, piece[1] if key == "head" else piece)
-        metrics = [pieces[p]["head"][0] for p in pods]
-        grads = [{"head": pieces[p]["head"][1], "lookup": pieces[p]["lookup"],
-                  "groups": [pieces[p][g] for g in range(self.config.layer_groups)]} for p in pods]
+        metrics, grads = self._all_grads(params, batch)
         if not self.overlap and self.pods > 1:
             # PaLM's order: the exchange starts once the whole backward is done. Routing the pieces through
             # one computation that needs all of them keeps any send from starting earlier.
             grads = [self.fns.exchange_buffer(g) for g in grads]
-            for p in pods:
-                self._send(p, grads[p])
         # Same argument order on every pod (pod 0's grads, then pod 1's), so the sums are bitwise equal.
-        # pw.transfer of a value already moved returns that move: the sends above are not repeated.
+        # The runtime sends each piece right after the computation that produced it, so with overlap each
+        # layer group's gradients travel while the next group's backward runs; the receives wait here.
         outs = [self.fns.apply[self.pods](params[q], opt_state[q],
                                           *[pw.transfer(grads[p], self.slices[q]) for p in pods])
                 for q in pods]

@@ -1,6 +1,6 @@
 """Does sending each layer group's gradients as soon as they exist shorten PaLM's two-pod step?
 
-Runs three programs on the same two pods, in interleaved blocks so that a noisy
+Runs four programs on the same two pods, in interleaved blocks so that a noisy
 machine hurts them alike, and reports the median time per step of each:
 
 - ``local``: each pod applies only its own gradients (no exchange; pods diverge): the floor.
@@ -10,8 +10,11 @@ machine hurts them alike, and reports the median time per step of each:
 - ``explicit``: each stage's pieces get a ``pw.transfer`` right after the stage (receives placed there too).
 
 A block dispatches ``--block`` steps back to back and waits for the last, so
-the numbers are per-step throughput with asynchronous dispatch. It also times
-one direction of the exchange alone (every gradient piece, pod 0 to pod 1).
+the numbers are per-step throughput with asynchronous dispatch. Then a few
+blocks per mode run under ``pw.trace``; from the hosts' events it reports how
+long each pod's executor waited for receives (the exchange left exposed) and
+how long the sender threads were busy. It also times one direction of the
+exchange alone (every gradient piece, pod 0 to pod 1).
 
     python -m benchmarks.palm_overlap --config small --batch 16 --blocks 6
 """
@@ -116,7 +119,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--block", type=int, default=5, help="steps per timed block")
     parser.add_argument("--blocks", type=int, default=6, help="timed blocks per mode (interleaved)")
     parser.add_argument("--json", default="palm_overlap.json")
-    parser.add_argument("--trace-dir", default=".", help="where the pw.trace files of one block per mode go")
+    parser.add_argument("--trace-dir", default=".", help="where the pw.trace files of the traced blocks go")
+    parser.add_argument("--traced-blocks", type=int, default=3, help="blocks per mode run under pw.trace")
     args = parser.parse_args(argv)
 
     config = CONFIGS[args.config]
@@ -141,15 +145,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for mode in MODES:
                 states[mode], per_step = run_block(steps[mode], states[mode], batches)
                 times[mode].append(per_step)
-        exposed = {}
-        for mode in MODES[1:]:
-            path = os.path.join(args.trace_dir, f"palm_{mode}.trace.json")
-            states[mode], exposed[mode] = exposed_exchange(steps[mode], states[mode], batches, path)
+        traced: dict[str, list[dict]] = {m: [] for m in MODES[1:]}
+        for k in range(args.traced_blocks):
+            for mode in MODES[1:]:
+                path = os.path.join(args.trace_dir, f"palm_{mode}_{k}.trace.json")
+                states[mode], stats = exposed_exchange(steps[mode], states[mode], batches, path)
+                traced[mode].append(stats)
         alone = exchange_alone(steps["after"], states["after"], repeats=5)
     finally:
         pw.shutdown()
 
     medians = {m: statistics.median(t) for m, t in times.items()}
+    exposed = {mode: {island: {kind: statistics.median(b.get(island, {}).get(kind, 0.0) for b in blocks)
+                               for kind in ("recv_wait_ms", "send_ms")}
+                      for island in ("island 0", "island 1")}
+               for mode, blocks in traced.items()}
     grad_bytes = 4 * config.n_params()
     result = {"config": args.config, "layer_groups": config.layer_groups, "batch": args.batch,
               "grad_bytes": grad_bytes, "exchange_one_way_s": alone, "median_step_s": medians, "step_s": times,
@@ -166,7 +176,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         sends = "/".join(f"{st.get('send_ms', 0):.0f}" for st in stats)
         blocks = " ".join(f"{t:.3f}" for t in times[mode])
         print(f"{mode:<9}{medians[mode]:>14.3f}{ratio:>9.3f}{waits:>19}{sends:>14}   {blocks}")
-    print("(recv wait and send: island 0/island 1, from one traced block per mode)")
+    print(f"(recv wait and send: island 0/island 1, medians of {args.traced_blocks} traced blocks per mode)")
     saved = medians["after"] - medians["overlap"]
     print(f"overlap saves {saved * 1e3:.1f} ms/step ({100 * saved / medians['after']:.1f}% of 'after')")
     with open(args.json, "w") as f:

@@ -144,7 +144,7 @@ def runtime_times(row: Row, slices: Sequence[pw.VirtualSlice], reps: int) -> Non
 
 def warmups(nbytes: int) -> int:
     """Untimed transfers before the timed ones; the first three are reported as the cold object store."""
-    return max(3, -(-WARM_BYTES // nbytes))
+    return min(64, max(3, -(-WARM_BYTES // nbytes)))
 
 
 def memcpy_times(row: Row, reps: int) -> None:

@@ -182,7 +182,7 @@ def measure(producer: Any, consumer: Any, nbytes: int, case: str, variant: str, 
     routes, expect = plan_transfer(shape, slice_desc(), src, slice_desc(), dst)
     ray.get(producer.hold.remote(shape, spec_to_wire(src)), timeout=TIMEOUT_S)
     runs = []
-    warm = max(1, -(-WARM_BYTES // nbytes))
+    warm = min(64, max(1, -(-WARM_BYTES // nbytes)))
     for k in range(warm + reps):
         ray.get(consumer.arm.remote(shape, spec_to_wire(src), spec_to_wire(dst), expect[0][1], variant),
                 timeout=TIMEOUT_S)

@@ -47,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
 def parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--address", help="Ray address host:port (default: RAY_ADDRESS, else `pathways up`'s)")
-    p = argparse.ArgumentParser(prog="pathways", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="pathways", description="Start a shared Pathways cluster on Ray, submit "
+                                "tenants' jobs to it, watch it, stop it.")
     sub = p.add_subparsers(required=True, metavar="COMMAND")
 
     up = sub.add_parser("up", parents=[common], help="start a Ray head (or join --address) and the islands")
@@ -131,7 +132,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     jobs.save_state(ClusterState(address, dashboard, head_pid, temp_dir, topology.to_wire(), time.time()))
     auth = " RAY_AUTH_MODE=token" if os.environ.get("RAY_AUTH_MODE") == "token" else ""
     print(f"pathways cluster up in {time.monotonic() - t0:.1f}s: {topology}\n"
-          f"  attach from Python:  pw.init(address=\"{address}\")  (with RAY_AUTH_MODE=token set, as below)\n"
+          f"  attach from Python:  pw.init(address=\"{address}\")\n"
           f"  attach from a shell: export RAY_ADDRESS={address}{auth}\n"
           f"  submit a job:        pathways submit --tenant NAME [--weight W] -- python script.py\n"
           f"  watch / stop:        pathways status | pathways jobs | pathways down")
@@ -284,7 +285,8 @@ def render_status(st: Any, address: str) -> str:
     out += [table(["ISLAND", "HEALTH", "HOSTS", "DEVICES", "QUEUE", "SHARE OF ISLAND TIME"], rows), ""]
     rows = [[f"{isl.index}/{h.host}", h.node[:12], len(h.devices), "yes" if h.alive else "NO",
              f"{h.buffers} ({_bytes(h.buffer_bytes)})", h.compiles, h.cache_hits, h.queue_depth, h.completed,
-             f"{h.busy_s:.1f}s"] for isl in st.islands for h in isl.hosts]
+             f"{h.busy_s:.1f}s ({100 * getattr(h, 'busy_fraction', 0.0):.0f}%)"]
+            for isl in st.islands for h in isl.hosts]
     out += [table(["HOST", "NODE", "DEVICES", "ALIVE", "BUFFERS", "COMPILES", "HITS", "QUEUE", "DONE", "BUSY"],
                   rows), ""]
     slices = _slices_by_tenant(st)
@@ -332,7 +334,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
         return 0
     jobs.follow_logs(client, job_id, lambda s: print(s, end="", flush=True))
     status = jobs.wait_job(client, job_id, timeout=60)
-    print(f"job {job_id} {status}")
+    # Ray appends the log tail to the message; it was just printed.
+    message = (client.get_job_info(job_id).message or "").split(", last available logs")[0] if status != "SUCCEEDED" \
+        else ""
+    print(f"job {job_id} {status}" + (f": {message}" if message else ""))
     return 0 if status == "SUCCEEDED" else 1
 
 

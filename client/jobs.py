@@ -89,17 +89,14 @@ def clear_state() -> None:
 
 def resolve_address(arg: str | None) -> str:
     """``--address``, else ``RAY_ADDRESS``, else the cluster ``pathways up`` recorded."""
-    address = arg or os.environ.get("RAY_ADDRESS")
-    if not address:
-        state = load_state()
-        address = state.address if state else None
+    state = load_state()
+    address = arg or os.environ.get("RAY_ADDRESS") or (state.address if state else None)
     if not address:
         raise CliError("no cluster: pass --address, set RAY_ADDRESS, or run `pathways up` first")
     if "://" in address:
         raise CliError(f"{address!r} looks like a URL; pass the Ray (GCS) address host:port that `pathways up` printed")
     # Ray's clients (ray.init, JobSubmissionClient) let RAY_ADDRESS override their argument: make them agree.
     os.environ["RAY_ADDRESS"] = address
-    state = load_state()
     if state and state.address == address and state.dashboard:
         os.environ.setdefault("RAY_API_SERVER_ADDRESS", state.dashboard)  # skips a GCS lookup per command
     return address

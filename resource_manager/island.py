@@ -55,7 +55,7 @@ def start_islands(topology: Topology, namespace: str, op_timeout: float, start_t
     starts = [[h.start.remote(c) for h in hs] for hs, c in zip(hosts, coordinators)]
     infos = [ray.get(s, timeout=start_timeout) for s in starts]
     nodes = alive_nodes()
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     islands = []
     for p, hs, info in zip(placements, hosts, infos):
         for host in info:

@@ -122,6 +122,20 @@ def start_runtime(topology: pw.Topology, address: str) -> None:
     pw.init(topology=topology, timeouts=timeouts)
 
 
+def client_on(node: str, attempts: int = 12):
+    """pw.init, repeated until this client's lease actor sits on ``node``.
+
+    The session starts its lease wherever Ray puts a zero-CPU actor; the resource manager reclaims a client
+    whose lease dies, so a lease on the node that node_loss removes would reclaim this live client.
+    """
+    for _ in range(attempts):
+        session = pw.init(timeouts=pw.Timeouts(**TIMEOUTS))
+        if _actor_node(session.lease) == node:
+            return session
+        pw.shutdown()
+    raise RuntimeError(f"the client's lease never landed on node {node} in {attempts} attempts")
+
+
 def stop_runtime(timeout: float = 60.0) -> None:
     """Disconnect, then kill the resource manager and islands (what `pathways down` does) and wait for their
     names to be free, so the next pw.init starts a runtime of another topology."""
@@ -176,7 +190,6 @@ def multihost(address: str) -> dict:
     start_runtime(topology, address)
     nodes = placement()
     checks = multihost_client.spmd()  # attaches to this runtime, runs, disconnects
-    pw.init(timeouts=pw.Timeouts(**TIMEOUTS))
     return {"checks": checks, "nodes": nodes}
 
 
@@ -184,7 +197,7 @@ def node_loss(cluster, worker) -> dict:
     import jax
     import jax.numpy as jnp
 
-    session = pw.init()
+    session = client_on(cluster.head_node.node_id)
     s0, s1 = pw.slice((2,), ("x",), island=0), pw.slice((2,), ("x",), island=1)
     slow = pw.jit(lambda m: jax.lax.fori_loop(0, 400, lambda i, a: jnp.tanh(a @ m), m), slice=s0)
     after = pw.jit(lambda v: v.sum(), slice=s1)

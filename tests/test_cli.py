@@ -205,7 +205,7 @@ def test_status_table():
     from pathways.topology import Topology
 
     host = HostStatus(island=0, host=0, node="abcdef0123456789", devices=["cpu:0", "cpu:1"], alive=True,
-                      buffers=3, buffer_bytes=3 << 20, queue_depth=1, busy_s=2.5)
+                      buffers=3, buffer_bytes=3 << 20, queue_depth=1, busy_s=2.5, busy_fraction=0.4)
     island = IslandStatus(0, True, "", [host], queue_depth=4, tenant_time_s={"alice": 1.0, "bob": 3.0})
     st = ClusterStatus(Topology(1, 1, 2), [island], [{"key": "s1", "shape": [2], "axes": ["x"], "island": 0,
                                                        "tenant": "bob", "devices": [[0, 0], [0, 1]]}],
@@ -214,8 +214,10 @@ def test_status_table():
                                 cli.CLI_TENANT: {"weight": 1.0, "quota": None, "clients": 1, "devices": 0}})
     lines = cli.render_status(st, "10.0.0.1:6379").splitlines()
     assert lines[3].split() == ["0", "healthy", "1/1", "2", "4", "alice", "25%", "(1.0s),", "bob", "75%", "(3.0s)"]
-    assert lines[6].split() == ["0/0", "abcdef012345", "2", "yes", "3", "(3.0", "MiB)", "0", "0", "1", "0", "2.5s"]
-    assert lines[9].split() == ["bob", "3.0", "2", "1", "2", "s1(2,)@island0"]
+    assert lines[6].split() == ["0/0", "abcdef012345", "2", "yes", "3", "(3.0", "MiB)", "0", "0", "1", "0", "2.5s",
+                                "(40%)"]
+    assert lines[9].split() == ["alice", "1.0", "-", "1", "0", "-"]
+    assert lines[10].split() == ["bob", "3.0", "2", "1", "2", "s1(2,)@island0"]
     assert not any(cli.CLI_TENANT in line for line in lines)
 
 

@@ -1,0 +1,186 @@
+"""Issue 9: islands on their own Ray nodes.
+
+The multi-node scenarios run in one subprocess (tests/multinode_scenarios.py) on a two-node
+``ray.cluster_utils.Cluster`` (separate raylets and object stores); it starts when the first test here
+needs it, and the PaLM test computes its single-node reference on the session cluster meanwhile.
+The placement logic itself is tested on made-up nodes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from multinode_scenarios import palm_fingerprint, readme_example
+
+import pathways as pw
+from pathways.errors import ResourceError
+from resource_manager.nodes import Node, host_bundle, matches, plan
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class Scenarios:
+    """The scenario script, started at once and read when a test first needs its results."""
+
+    def __init__(self) -> None:
+        env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_TMPDIR")}
+        self.proc = subprocess.Popen([sys.executable, os.path.join(HERE, "multinode_scenarios.py")], env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self._results: dict | None = None
+
+    def __getitem__(self, scenario: str) -> dict:
+        if self._results is None:
+            try:
+                out, err = self.proc.communicate(timeout=600)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                out, err = self.proc.communicate()
+            lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+            self._results = {line.get("scenario", "done"): line for line in lines}
+            self._results["stderr"] = {"tail": err[-4000:], "rc": self.proc.returncode}
+        if scenario not in self._results:
+            pytest.fail(f"scenario {scenario!r} did not report (exit {self.proc.returncode}):\n"
+                        f"{self._results['stderr']['tail']}")
+        return self._results[scenario]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.communicate()
+
+
+@pytest.fixture(scope="module")
+def scenarios():
+    runs = Scenarios()
+    yield runs
+    runs.stop()
+
+
+def assert_spread(nodes: list[list[str]]) -> None:
+    """Each island's hosts on one node, and no two islands on the same node."""
+    assert all(len(set(hosts)) == 1 for hosts in nodes), nodes
+    assert len({hosts[0] for hosts in nodes}) == len(nodes), nodes
+
+
+# -- on two nodes, the same results as on one ------------------------------------------------------------------
+
+def test_palm_two_pods_on_two_nodes_match_one_node(scenarios, cluster):
+    pods = [pw.slice((2, 2), ("data", "model"), island=i) for i in range(2)]
+    try:
+        one_node = palm_fingerprint(pods)
+    finally:
+        for s in pods:
+            s.release()
+    two_nodes = scenarios["palm"]
+    assert_spread(two_nodes["nodes"])
+    assert two_nodes["params"][0] == two_nodes["params"][1]  # both pods bitwise identical
+    assert two_nodes["opt_state"][0] == two_nodes["opt_state"][1]
+    for key in ("params", "opt_state", "losses"):
+        assert two_nodes[key] == one_node[key], key  # bitwise the single-node run
+
+
+def test_readme_example_on_two_nodes(scenarios, cluster):
+    s1, s2 = pw.slice((2,), ("x",), island=0), pw.slice((2,), ("x",), island=1)
+    try:
+        one_node = readme_example(s1, s2)
+    finally:
+        s1.release()
+        s2.release()
+    r = scenarios["readme"]
+    assert (r["y"], r["z"]) == ([3.0, 5.0], [2.0, 4.0]) == tuple(one_node)
+    assert_spread(r["nodes"])
+    head = scenarios["cluster"]["head"]
+    assert scenarios["where"]["resource_manager"] == head  # so removing the worker leaves the control plane
+
+
+def test_multihost_islands_pinned_to_their_nodes(scenarios):
+    r, nodes = scenarios["multihost"], scenarios["cluster"]
+    assert r["checks"] == {"small_hosts": r["checks"]["small_hosts"], "wide_hosts": [0, 1], "roundtrip": True,
+                           "spmd": True, "matching_transfer": True, "routes": [[0, 0], [1, 1]],
+                           "reshard_transfer": True, "single_host_slice": True}
+    assert_spread(r["nodes"])
+    assert r["nodes"][0] == [nodes["worker"]] * 2  # pinned by a custom resource only the worker offers
+    assert r["nodes"][1] == [nodes["head"]] * 2  # pinned by a node label
+
+
+def test_losing_a_node_fails_its_island_fast_and_spares_the_other(scenarios):
+    r = scenarios["node_loss"]
+    assert r["y_on_island0"].startswith("IslandFailedError"), r
+    assert r["z_on_island1"].startswith("IslandFailedError"), r  # it waited for island 0's transfer
+    assert r["after_removal_s"] < 30, r
+    assert r["island1_still_works"] == 4.0
+    assert r["healthy"] == [False, True] and r["dead_island"] == [0] and "host" in r["reason"]
+    assert scenarios["done"]["done"] > 0  # the script tore its cluster down and exited
+    assert scenarios["stderr"]["rc"] == 0, scenarios["stderr"]["tail"]
+
+
+def test_single_node_cluster_keeps_islands_together(cluster):
+    st = pw.status()
+    assert len({h.node for isl in st.islands for h in isl.hosts}) == 1
+
+
+# -- placement on made-up nodes --------------------------------------------------------------------------------
+
+def node(name: str, cpus: float = 2, gpus: float = 0, head: bool = False, extra: dict | None = None,
+         **labels: str) -> Node:
+    resources = {"CPU": cpus, "memory": 2**33, f"node:{name}": 1.0, **({"GPU": gpus} if gpus else {}), **(extra or {})}
+    return Node(name, "10.0.0.1", {"ray.io/node-id": name, **labels}, resources, head)
+
+
+def test_islands_go_round_robin_over_nodes_and_hosts_stay_together():
+    nodes = [node("a", head=True), node("b"), node("c")]
+    assert plan(pw.Topology(2, 2, 4), nodes) == ["a", "b"]
+    assert plan(pw.Topology(4, 1, 4), nodes) == ["a", "b", "c", "a"]
+    assert plan(pw.Topology(2, 1, 4), nodes[:1]) == ["a", "a"]  # one node: everything there, as before
+
+
+def test_nodes_without_cpus_are_a_last_resort():
+    assert plan(pw.Topology(2, 1, 4), [node("head", cpus=0, head=True), node("w")]) == ["w", "w"]
+    assert plan(pw.Topology(1, 1, 4), [node("head", cpus=0, head=True)]) == ["head"]
+
+
+def test_pins_by_label_and_by_custom_resource():
+    nodes = [node("a", head=True, zone="x"), node("b", zone="y"), node("c", extra={"pod": 4}, zone="y")]
+    topology = pw.Topology(3, 2, 4, node_labels={0: {"zone": "y"}, 1: {"zone": "!y"}},
+                           host_resources={2: {"pod": 2}})
+    assert plan(topology, nodes) == ["b", "a", "c"]
+    assert host_bundle(topology, 2) == {"memory": 1, "pod": 2}
+    with pytest.raises(ResourceError, match="island 0 needs a node with labels"):
+        plan(pw.Topology(1, 1, 4, node_labels={0: {"zone": "z"}}), nodes)
+    with pytest.raises(ResourceError, match="island 0"):
+        plan(pw.Topology(1, 1, 4, host_resources={0: {"pod": 8}}), nodes)
+
+
+def test_gpu_islands_fill_nodes_and_spill_when_none_can_hold_one():
+    nodes = [node("a", gpus=8, head=True), node("b", gpus=4)]
+    gpu = pw.Topology(3, 1, 4, platform="gpu")
+    assert host_bundle(gpu, 0) == {"memory": 1, "GPU": 4}
+    assert plan(gpu, nodes) == ["a", "b", "a"]
+    assert plan(pw.Topology(1, 2, 8, platform="gpu"), nodes) == [None]  # 16 GPUs: Ray packs it over nodes
+
+
+def test_label_selector_syntax():
+    labels = {"zone": "a", "tier": "gold"}
+    assert matches(labels, {"zone": "a"}) and not matches(labels, {"zone": "b"})
+    assert matches(labels, {"zone": "!b"}) and not matches(labels, {"zone": "!a"})
+    assert matches(labels, {"zone": "in(a, b)"}) and not matches(labels, {"zone": "!in(a,b)"})
+    assert matches(labels, {"missing": "!x"}) and not matches(labels, {"missing": "x"})
+
+
+def test_topology_pins_round_trip_and_stay_positional():
+    plain = pw.Topology(2, 1, 4)
+    assert plain.to_wire() == {"islands": 2, "hosts_per_island": 1, "devices_per_host": 4, "platform": "cpu"}
+    pinned = pw.Topology(2, 2, 2, "cpu", {1: {"zone": "b"}}, {0: {"pod_a": 1}})
+    assert pw.Topology.from_wire(json.loads(json.dumps(pinned.to_wire()))) == pinned
+    assert hash(pinned) == hash(pw.Topology(2, 2, 2, node_labels={1: {"zone": "b"}},
+                                            host_resources={0: {"pod_a": 1}}))
+    assert pinned.labels_of(1) == {"zone": "b"} and pinned.labels_of(0) == {}
+    assert "island 1 on nodes zone=b" in str(pinned)
+    for bad in ({"node_labels": {2: {"a": "b"}}}, {"node_labels": {0: {"a": 1}}},
+                {"host_resources": {0: {"pod": 0}}}):
+        with pytest.raises(ValueError):
+            pw.Topology(2, **bad)

@@ -123,6 +123,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--traced-blocks", type=int, default=3, help="blocks per mode run under pw.trace")
     args = parser.parse_args(argv)
 
+    os.makedirs(args.trace_dir, exist_ok=True)
     config = CONFIGS[args.config]
     if args.layer_groups:
         config = dataclasses.replace(config, layer_groups=args.layer_groups)

@@ -143,8 +143,11 @@ def runtime_times(row: Row, slices: Sequence[pw.VirtualSlice], reps: int) -> Non
 
 
 def warmups(nbytes: int) -> int:
-    """Untimed transfers before the timed ones; the first three are reported as the cold object store."""
-    return min(64, max(3, -(-WARM_BYTES // nbytes)))
+    """Untimed transfers before the timed ones; the first three are reported as the cold object store.
+
+    Small values travel inline in Ray's messages, not through the object store, so three are enough.
+    """
+    return 3 if nbytes < MIB else min(64, max(3, -(-WARM_BYTES // nbytes)))
 
 
 def memcpy_times(row: Row, reps: int) -> None:

@@ -236,12 +236,14 @@ def current() -> Session:
 
 
 def init(topology: Topology | None = None, address: str | None = None, *, tenant: str | None = None,
-         weight: float = 1.0, timeouts: Timeouts | None = None) -> Session:
+         weight: float = 1.0, timeouts: Timeouts | None = None, default_quota: int | None = None) -> Session:
     """Connect to (or start) a cluster. Idempotent: a second call returns the same session.
 
     With no address and no ``RAY_ADDRESS``, starts an embedded local Ray instance
     with ``topology``; with ``address="auto"`` (or ``RAY_ADDRESS``) attaches to that
-    cluster and to the resource manager already running there.
+    cluster and to the resource manager already running there (giving ``topology``
+    starts one on that cluster if none runs yet). ``default_quota`` caps each tenant's
+    devices on a runtime this call starts.
     """
     global _session
     with _lock:
@@ -262,7 +264,7 @@ def init(topology: Topology | None = None, address: str | None = None, *, tenant
             else:
                 ray.init(namespace=NAMESPACE, include_dashboard=False, logging_level=logging.WARNING)
                 owns_ray = True
-        rm = _resource_manager(topology, timeouts)
+        rm = _resource_manager(topology, timeouts, default_quota, may_create=not address or topology is not None)
         _session = Session(rm, tenant, weight, timeouts, owns_ray)
         return _session
 
@@ -280,13 +282,20 @@ def _use_token_auth() -> None:
     maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
 
 
-def _resource_manager(topology: Topology | None, timeouts: Timeouts) -> Any:
+def _resource_manager(topology: Topology | None, timeouts: Timeouts, default_quota: int | None,
+                      may_create: bool) -> Any:
     from resource_manager.manager import ResourceManager
 
+    if not may_create:
+        try:
+            ray.get_actor(RESOURCE_MANAGER, namespace=NAMESPACE)
+        except ValueError:
+            raise PathwaysError("no pathways runtime runs on this Ray cluster; start one with `pathways up "
+                                "--address ADDR`, or pw.init(address=..., topology=pw.Topology(...))") from None
     wanted = topology or Topology()
     rm = ray.remote(ResourceManager).options(
         name=RESOURCE_MANAGER, namespace=NAMESPACE, lifetime="detached", get_if_exists=True, num_cpus=0,
-        max_concurrency=1).remote(wanted.to_wire(), NAMESPACE, timeouts.op, timeouts.start)
+        max_concurrency=1).remote(wanted.to_wire(), NAMESPACE, timeouts.op, timeouts.start, default_quota)
     try:
         raw = ray.get(rm.ready.remote(), timeout=timeouts.start)
     except GetTimeoutError:

@@ -38,11 +38,22 @@ class IslandStatus:
     hosts: list[HostStatus]
     queue_depth: int = 0  # fragments queued at the scheduler plus those running on the hosts
     tenant_time_s: dict[str, float] = field(default_factory=dict)  # island time each tenant received
+    tenant_recent_s: dict[str, float] = field(default_factory=dict)  # the same over the last 10 s
 
     @property
     def tenant_share(self) -> dict[str, float]:
-        total = sum(self.tenant_time_s.values())
-        return {t: v / total for t, v in self.tenant_time_s.items()} if total else {}
+        """Each tenant's share of the island time since the cluster started."""
+        return _shares(self.tenant_time_s)
+
+    @property
+    def recent_share(self) -> dict[str, float]:
+        """Each tenant's share of the island time over the last 10 s (what the weights steer now)."""
+        return _shares(self.tenant_recent_s)
+
+
+def _shares(times: dict[str, float]) -> dict[str, float]:
+    total = sum(times.values())
+    return {t: v / total for t, v in times.items()} if total else {}
 
 
 @dataclass(frozen=True)
@@ -62,8 +73,10 @@ class ClusterStatus:
         for isl in self.islands:
             health = "healthy" if isl.healthy else f"UNHEALTHY ({isl.reason})"
             shares = ", ".join(f"{t} {100 * v:.0f}%" for t, v in sorted(isl.tenant_share.items()))
+            recent = ", ".join(f"{t} {100 * v:.0f}%" for t, v in sorted(isl.recent_share.items()))
             lines.append(f"island {isl.index}: {health}, queue depth {isl.queue_depth}"
-                         + (f", island time: {shares}" if shares else ""))
+                         + (f", island time (last 10 s): {recent}" if recent else "")
+                         + (f", (since start): {shares}" if shares else ""))
             for h in isl.hosts:
                 lines.append(f"  host {h.host} on node {h.node[:8]} ({h.ip}) devices {len(h.devices)} "
                              f"busy {100 * h.busy_fraction:.0f}% queue {h.queue_depth} done {h.completed} "
@@ -120,6 +133,6 @@ def status(timeout: float = 10.0) -> ClusterStatus:
                                     **{k: stats[k] for k in keys if k in stats}))
         depth = sched.get("queued", 0) + max((h.queue_depth for h in hosts), default=0)
         islands.append(IslandStatus(isl["index"], isl["healthy"], isl["reason"], hosts, depth,
-                                    sched.get("tenant_time_s", {})))
+                                    sched.get("tenant_time_s", {}), sched.get("tenant_time_recent_s", {})))
     return ClusterStatus(Topology.from_wire(state["topology"]), islands, state["allocations"], state["clients"],
                          state.get("tenants", {}), state.get("reclaimed", []))

@@ -100,6 +100,12 @@ class ResourceManager:
                 if island.index not in self.inventory.unhealthy:
                     island.scheduler.submit.remote(message)
         self._schedulers("revoke_client", client)
+        tenant = info["tenant"] if info else None
+        info_t = self.tenants.get(tenant)
+        if info_t is not None and info_t["quota"] is None and not any(
+                c["tenant"] == tenant for c in self.clients.values()) and not any(
+                a.tenant == tenant for a in self.inventory.allocations.values()):
+            del self.tenants[tenant]  # nothing left to show or enforce for it
         return {"client": client, "tenant": info["tenant"] if info else None, "slices": keys}
 
     def _watch_leases(self) -> None:

@@ -13,6 +13,7 @@ clients on the same hosts can never interleave differently on two hosts.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import Any
 
@@ -22,6 +23,7 @@ from pathways.names import CLIENT_ID_BITS
 
 TEMPLATE_CACHE = 256
 FIRST_ESTIMATE_S = 1e-3
+RECENT_S = 10.0  # the window of the "recent" share that status shows while jobs run
 
 
 class Scheduler:
@@ -40,6 +42,7 @@ class Scheduler:
         self._inflight: dict[int, tuple[str, float]] = {}
         self._blocked: dict[int, tuple[str, float]] = {}
         self._time: dict[str, float] = {}
+        self._recent: deque[tuple[float, str, float]] = deque()
         self._fragments: dict[str, int] = {}
 
     # -- ownership and weights (set by the resource manager) ------------------------------------
@@ -132,6 +135,7 @@ class Scheduler:
                 continue
             tenant, estimate = entry
             self._time[tenant] = self._time.get(tenant, 0.0) + busy
+            self._recent.append((time.monotonic(), tenant, busy))
             self._pass[tenant] += (busy - estimate) / self._weights.get(tenant, 1.0)
             self._estimate[tenant] = 0.8 * self._estimate.get(tenant, busy) + 0.2 * busy
         self._pump()
@@ -152,7 +156,13 @@ class Scheduler:
         ray.get([h.ping.remote() for h in self._hosts])
 
     def stats(self) -> dict:
-        return {"island": self.island, "sequenced": self._seq, "window": self.window,
+        horizon = time.monotonic() - RECENT_S
+        while self._recent and self._recent[0][0] < horizon:
+            self._recent.popleft()
+        recent: dict[str, float] = {}
+        for _, tenant, busy in self._recent:
+            recent[tenant] = recent.get(tenant, 0.0) + busy
+        return {"tenant_time_recent_s": recent, "island": self.island, "sequenced": self._seq, "window": self.window,
                 "queued": sum(len(q) for q in self._queues.values()), "inflight": len(self._inflight),
                 "blocked": len(self._blocked), "tenant_time_s": dict(self._time),
                 "fragments": dict(self._fragments), "weights": dict(self._weights)}

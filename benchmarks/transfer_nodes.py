@@ -84,9 +84,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise RuntimeError(f"islands are on nodes {nodes}; expected [head, head, worker]")
         print(f"two-node cluster and runtime up in {time.perf_counter() - start:.1f}s", flush=True)
         slices = [pw.slice((DEVICES,), ("x",), island=i) for i in range(3)]
-        endpoint = ray.remote(Endpoint).options(num_cpus=0, runtime_env={"env_vars": {"JAX_PLATFORMS": "cpu"}})
-        actors = [endpoint.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote()
-                  for n in (head, head, other)]
+        env = {"env_vars": {"JAX_PLATFORMS": "cpu"}}
+        actors = [ray.remote(Endpoint).options(num_cpus=0, runtime_env=env, scheduling_strategy=(
+            NodeAffinitySchedulingStrategy(n, soft=False))).remote() for n in (head, head, other)]
         for size in sizes:
             for path, dst in PATHS.items():
                 row = Row(f"{size:g} MiB", int(size * MIB), CASE)

@@ -135,7 +135,7 @@ def reserve(topology: Topology, timeout: float) -> list[IslandPlacement]:
                                 bundle_label_selector=[dict(selector) for _ in range(n)] if selector else None)
         placements.append(IslandPlacement(island, group, node, strategy))
     ready = {p.group.ready(): p for p in placements}
-    done, pending = ray.wait(list(ready), num_returns=len(ready), timeout=timeout)
+    _, pending = ray.wait(list(ready), num_returns=len(ready), timeout=timeout)
     if pending:
         for p in placements:
             remove_placement_group(p.group)
@@ -158,5 +158,6 @@ def _computes(node: Node) -> bool:
 
 
 def _short(resources: Mapping[str, float]) -> dict[str, float]:
-    return {k: v for k, v in resources.items() if not k.startswith("node:") and k not in ("memory",
-                                                                                          "object_store_memory")}
+    """Resources worth showing in an error: without per-node markers and byte counts."""
+    hidden = ("memory", "object_store_memory")
+    return {k: v for k, v in resources.items() if not k.startswith("node:") and k not in hidden}

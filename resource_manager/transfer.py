@@ -34,12 +34,22 @@ def local_pieces(array: jax.Array) -> dict[Index, jax.Array]:
     return pieces
 
 
+def aligned_empty(shape: Sequence[int], dtype: np.dtype, alignment: int = 64) -> np.ndarray:
+    """An uninitialized array whose data starts on a 64-byte boundary: jax.device_put on CPU adopts such
+    a buffer without copying, while numpy's own (16-byte aligned) allocations take XLA's slow copy."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + alignment, dtype=np.uint8)
+    offset = -raw.ctypes.data % alignment
+    return raw[offset:offset + nbytes].view(dtype).reshape(shape)
+
+
 def region(pieces: dict[Index, np.ndarray], want: Index, dtype: np.dtype) -> np.ndarray:
     """The ``want`` region, taken whole from one piece or gathered from several."""
     exact = pieces.get(want)
     if exact is not None:
         return exact
-    out = np.empty([b - a for a, b in want], dtype=dtype)
+    out = aligned_empty([b - a for a, b in want], dtype)
     filled = 0
     for have, data in pieces.items():
         lo = [max(a, c) for (a, _), (c, _) in zip(have, want)]

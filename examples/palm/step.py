@@ -99,10 +99,9 @@ def functions(config: PalmConfig, optim_config: optim.OptimConfig) -> Functions:
         metrics, grads, cot = model.head_forward_backward(h, x, targets, config)
         return jnp.stack([metrics[k] for k in METRICS]), grads, cot
 
-    def grads_specs(n_groups: Sequence[int]) -> dict:
-        return {"lookup": P(), "head": head_specs, "groups": [[layer_spec] * n for n in n_groups]}
-
-    group_sizes = [stop - start for start, stop in config.group_bounds()]
+    # One pod's gradient pieces: the head's, each group's (as its layers), the embedding lookup's.
+    grads_specs = {"lookup": P(), "head": head_specs,
+                   "groups": [[layer_spec] * (stop - start) for start, stop in config.group_bounds()]}
 
     def apply(params: dict, opt_state: Any, *pod_grads: dict) -> tuple:
         merged = [model.merge_group_grads({"embed": g["head"]["embed"] + g["lookup"],
@@ -132,12 +131,12 @@ def functions(config: PalmConfig, optim_config: optim.OptimConfig) -> Functions:
                                 (ACT, ACT), lambda n: ([layer_spec] * n, ACT)),
         embed_backward=pw.jit(lambda t, c: model.embed_backward(t, c, config), in_specs=(P(DATA), ACT),
                               out_specs=P(), name="embed_backward"),
-        apply={pods: pw.jit(apply, in_specs=(specs, opt_specs) + (grads_specs(group_sizes),) * pods,
+        apply={pods: pw.jit(apply, in_specs=(specs, opt_specs) + (grads_specs,) * pods,
                             out_specs=(specs, opt_specs, P()), name=f"apply_{pods}pod")
                for pods in (1, 2)},
         eval_loss=pw.jit(eval_loss, in_specs=(specs, batch_specs), out_specs=P(), name="eval_loss"),
-        exchange_buffer=pw.jit(lambda g: g, in_specs=(grads_specs(group_sizes),),
-                               out_specs=grads_specs(group_sizes), name="exchange_buffer"),
+        exchange_buffer=pw.jit(lambda g: g, in_specs=(grads_specs,), out_specs=grads_specs,
+                               name="exchange_buffer"),
         blow_up=pw.jit(lambda e: e * SPIKE_SCALE, in_specs=(P(),), out_specs=P(), name="blow_up"),
         param_specs=specs,
         opt_specs=opt_specs,

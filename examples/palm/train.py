@@ -137,6 +137,7 @@ class Trainer:
         self.injected = False
         self.intervals: list[float] = []
         self._templates = self._fresh_host_state()
+        self._last_landed = 0.0  # when the previous step's metrics arrived
 
     def _fresh_host_state(self) -> tuple[Any, Any]:
         params = jax.jit(model.init_params, static_argnums=0)(self.config, jax.random.key(self.opts.seed))
@@ -221,11 +222,11 @@ class Trainer:
             bar = tqdm(total=opts.steps, initial=step, disable=not opts.progress, dynamic_ncols=True,
                        desc=f"palm {opts.config} on {opts.pods} pod(s)", file=sys.stdout)
             try:
-                state, step = self._loop(state, step, data_pos, bar)
+                state, step, data_pos = self._loop(state, step, data_pos, bar)
             finally:
                 bar.close()
             self.result.steps = step
-            self.result.final_checkpoint = self.save(state, step, self._data_pos)
+            self.result.final_checkpoint = self.save(state, step, data_pos)
             if not self.result.eval_losses or self.result.eval_losses[-1][0] != step:
                 self.evaluate(state, step)
             self._summarize(time.perf_counter() - started)
@@ -235,11 +236,11 @@ class Trainer:
             logs.plot_losses(opts.log_path, os.path.join(opts.out, "loss.png"))
         return self.result
 
-    def _loop(self, state: PodState, step: int, data_pos: int, bar: tqdm) -> tuple[PodState, int]:
+    def _loop(self, state: PodState, step: int, data_pos: int, bar: tqdm) -> tuple[PodState, int, int]:
         """Dispatch step n+1 before reading step n's loss, so the pods never wait for the client."""
         opts = self.opts
         pending: _InFlight | None = None
-        self._last = time.perf_counter()
+        self._last_landed = time.perf_counter()
         while True:
             current = None
             if step < opts.steps:
@@ -250,31 +251,31 @@ class Trainer:
                 new_state, metrics, norms = self.step_fn(state, batch)
                 current = _InFlight(step + 1, data_pos, new_state, metrics, norms)
                 state, step, data_pos = new_state, step + 1, data_pos + 1
-            if pending is not None and self._finish(pending, bar):
+            restored = self._finish(pending, bar) if pending is not None else None
+            if restored is not None:
                 current = None  # dispatched from a state that the rollback discarded
-                state, step, data_pos = self._restored
+                state, step, data_pos = restored
                 bar.n = step
                 bar.refresh()
             pending = current
             if pending is None and step >= opts.steps:
-                self._data_pos = data_pos
-                return state, step
+                return state, step, data_pos
 
-    def _finish(self, run: _InFlight, bar: tqdm) -> bool:
-        """Read a landed step's metrics; log, checkpoint and evaluate; True if it spiked (rolled back)."""
+    def _finish(self, run: _InFlight, bar: tqdm) -> tuple[PodState, int, int] | None:
+        """Read a landed step's metrics; log, checkpoint, evaluate. On a spike: the rolled-back state."""
         opts = self.opts
         per_pod = np.stack([m.fetch() for m in run.metrics])
         record = dict(zip(METRICS, map(float, per_pod.mean(axis=0))))
         grad_norm = float(run.norms[0].fetch())
         now = time.perf_counter()
-        interval, self._last = now - self._last, now
+        interval, self._last_landed = now - self._last_landed, now
         if self.detector.is_spike(record["loss"]):
             self.log.write("spike", step=run.step, data_pos=run.data_pos, loss=record["loss"],
                            median=self.detector.median(), factor=opts.spike.factor)
-            self._restored = self.rollback(run.step)
+            restored = self.rollback(run.step)
             self._say(f"step {run.step}: loss {record['loss']:.3f} spiked; rolled back to step "
-                      f"{self._restored[1]} and skipped {opts.spike.skip_batches} batches")
-            return True
+                      f"{restored[1]} and skipped {opts.spike.skip_batches} batches")
+            return restored
         self.intervals.append(interval)
         tokens_per_s = opts.batch * self.config.seq_len / interval
         mfu = flops.mfu(tokens_per_s, self.config, self.result.peak_flops) if self.result.peak_flops else None
@@ -291,7 +292,7 @@ class Trainer:
             self.save(run.state, run.step, run.data_pos + 1)
         if run.step % opts.eval_every == 0:
             self.evaluate(run.state, run.step)
-        return False
+        return None
 
     def _summarize(self, wall_s: float) -> None:
         opts, config, result = self.opts, self.config, self.result

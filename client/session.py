@@ -19,6 +19,7 @@ from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pathways import wire
 from pathways.errors import IslandFailedError, PathwaysError, ResourceError, from_wire
@@ -53,7 +54,9 @@ class Session:
         self.owns_ray = owns_ray
         from resource_manager.lease import Lease
 
-        self.lease = ray.remote(Lease).options(num_cpus=0, namespace=NAMESPACE).remote()
+        # On this process's node: a lease on another node would die with that node and get us reclaimed.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self.lease = ray.remote(Lease).options(num_cpus=0, namespace=NAMESPACE, scheduling_strategy=here).remote()
         reg = self.rm_call("register", "register", {"tenant": tenant, "pid": os.getpid(), "weight": weight},
                            self.lease)
         self.client_id: int = reg["client"]
@@ -295,11 +298,14 @@ def _resource_manager(topology: Topology | None, timeouts: Timeouts, default_quo
     wanted = topology or Topology()
     rm = ray.remote(ResourceManager).options(
         name=RESOURCE_MANAGER, namespace=NAMESPACE, lifetime="detached", get_if_exists=True, num_cpus=0,
-        max_concurrency=1).remote(wanted.to_wire(), NAMESPACE, timeouts.op, timeouts.start, default_quota)
+        max_concurrency=1, resources={"node:__internal_head__": 0.001},  # the head outlives worker nodes
+    ).remote(wanted.to_wire(), NAMESPACE, timeouts.op, timeouts.start, default_quota)
     try:
         raw = ray.get(rm.ready.remote(), timeout=timeouts.start)
     except GetTimeoutError:
         raise PathwaysError(f"the cluster did not start within {timeouts.start:.0f}s") from None
+    except RayActorError as exc:
+        raise ResourceError(f"the pathways runtime could not start: {exc}") from None
     msg = wire.decode(raw, "reply")
     if not msg["ok"]:
         raise from_wire(*msg["value"])

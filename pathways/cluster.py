@@ -116,7 +116,10 @@ def status(timeout: float = 10.0) -> ClusterStatus:
         refs = [h.stats.remote() for h in client.hosts]
         sched_ref = client.scheduler.stats.remote()
         ready, _ = ray.wait(refs + [sched_ref], num_returns=len(refs) + 1, timeout=timeout)
-        sched = ray.get(sched_ref) if sched_ref in ready else {}
+        try:
+            sched = ray.get(sched_ref) if sched_ref in ready else {}
+        except Exception:  # a dead scheduler: the island is reported, not raised
+            sched = {}
         hosts = []
         for info, ref in zip(isl["hosts"], refs):
             stats: dict = {}

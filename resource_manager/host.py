@@ -118,6 +118,8 @@ class Host:
 
         tenant = msg["tenant"]
         if refusal is not None:
+            if msg["kind"] == "free":
+                return  # a refused free frees nothing
             if msg["kind"] == "put":
                 ops = [{"op": "put", "id": msg["id"]}]
                 run = Run(seq, tenant, "put", ops, {})

@@ -102,38 +102,16 @@ def start_cluster():
 
 
 def start_runtime(topology: pw.Topology, address: str) -> None:
-    """pw.init on the cluster, with the resource manager started on the head node first.
-
-    pw.init alone starts it wherever Ray's GCS puts a zero-CPU actor, which may be the worker node that
-    node_loss removes; on a real cluster the control plane belongs on the head, which outlives the workers.
-    """
-    import ray
-
-    from pathways.names import NAMESPACE, RESOURCE_MANAGER
-    from resource_manager.manager import ResourceManager
-
-    if not ray.is_initialized():
-        ray.init(address=address, namespace=NAMESPACE)
-    timeouts = pw.Timeouts(**TIMEOUTS)
-    ray.remote(ResourceManager).options(
-        name=RESOURCE_MANAGER, namespace=NAMESPACE, lifetime="detached", get_if_exists=True, num_cpus=0,
-        max_concurrency=1, resources={"node:__internal_head__": 0.001},
-    ).remote(topology.to_wire(), NAMESPACE, timeouts.op, timeouts.start)
-    pw.init(topology=topology, timeouts=timeouts)
+    """pw.init on the cluster: the resource manager goes on the head, which outlives the workers."""
+    pw.init(topology=topology, address=address, timeouts=pw.Timeouts(**TIMEOUTS))
 
 
-def client_on(node: str, attempts: int = 12):
-    """pw.init, repeated until this client's lease actor sits on ``node``.
-
-    The session starts its lease wherever Ray puts a zero-CPU actor; the resource manager reclaims a client
-    whose lease dies, so a lease on the node that node_loss removes would reclaim this live client.
-    """
-    for _ in range(attempts):
-        session = pw.init(timeouts=pw.Timeouts(**TIMEOUTS))
-        if _actor_node(session.lease) == node:
-            return session
-        pw.shutdown()
-    raise RuntimeError(f"the client's lease never landed on node {node} in {attempts} attempts")
+def client_on(node: str):
+    """pw.init; the session's lease actor sits on this process's node (asserted), so losing another node
+    never reclaims this live client."""
+    session = pw.init(timeouts=pw.Timeouts(**TIMEOUTS))
+    assert _actor_node(session.lease) == node, "the client's lease is not on the client's node"
+    return session
 
 
 def stop_runtime(timeout: float = 60.0) -> None:

@@ -128,7 +128,7 @@ def test_single_node_cluster_keeps_islands_together(cluster):
 def node(name: str, cpus: float = 2, gpus: float = 0, head: bool = False, extra: dict | None = None,
          **labels: str) -> Node:
     resources = {"CPU": cpus, "memory": 2**33, f"node:{name}": 1.0, **({"GPU": gpus} if gpus else {}), **(extra or {})}
-    return Node(name, "10.0.0.1", {"ray.io/node-id": name, **labels}, resources, head)
+    return Node(name, "127.0.0.1", {"ray.io/node-id": name, **labels}, resources, head)
 
 
 def test_islands_go_round_robin_over_nodes_and_hosts_stay_together():

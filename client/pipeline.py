@@ -36,7 +36,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from client.array import Array, put
-from client.jit import CompiledFunction, jit
+from client.jit import CompiledFunction, broadcast_specs, jit
 from client.slices import VirtualSlice
 from client.tracer import ProgramFunction, TracedValue, program, transfer
 from pathways.errors import ProgramError
@@ -330,7 +330,7 @@ class Pipeline:
             raise ProgramError(f"init got params for {len(params)} stages; the pipeline has {self.n_stages}")
         placed = []
         for k, (stage, tree) in enumerate(zip(self.stages, params)):
-            specs = _spec_leaves(stage.param_specs, tree, f"stage {k} param_specs")
+            specs = broadcast_specs(stage.param_specs, tree, f"stage {k} param_specs")
             leaves, treedef = jax.tree_util.tree_flatten(tree)
             placed.append(jax.tree_util.tree_unflatten(
                 treedef, [put(np.asarray(v), stage.slice, sp) for v, sp in zip(leaves, specs)]))
@@ -471,19 +471,6 @@ def _describe(tree: Any) -> str:
     if len(leaves) == 1 and hasattr(leaves[0], "shape"):
         return f"{np.dtype(leaves[0].dtype).name}{list(leaves[0].shape)}"
     return repr(jax.tree_util.tree_map(lambda v: f"{np.dtype(v.dtype).name}{list(v.shape)}", tree))
-
-
-def _spec_leaves(prefix: Any, tree: Any, what: str) -> list[P]:
-    out: list[P] = []
-
-    def visit(spec: Any, sub: Any) -> None:
-        out.extend([spec if spec is not None else P()] * len(jax.tree_util.tree_leaves(sub)))
-
-    try:
-        jax.tree_util.tree_map(visit, prefix, tree, is_leaf=lambda v: isinstance(v, P) or v is None)
-    except ValueError as exc:
-        raise ProgramError(f"{what} {prefix!r} does not match the params' structure: {exc}") from None
-    return out
 
 
 def _replay(graph: Program, lowered: Any, tags: dict[int, int], stages: list[Stage]) -> list[StageMemory]:

@@ -137,3 +137,21 @@ def _check(value: Any, schema: Any, path: str) -> None:
         raise WireFormatError(f"{path}: expected int, got bool")
     if not isinstance(value, schema):
         raise WireFormatError(f"{path}: expected {schema.__name__}, got {type(value).__name__}")
+
+
+class TemplateCache:
+    """Decoded (validated) fragment templates by their bytes: one program's template arrives with every call,
+    so each side decodes it once. Oldest first out beyond ``size``."""
+
+    def __init__(self, size: int = 256) -> None:
+        self._size = size
+        self._decoded: dict[bytes, dict] = {}
+
+    def get(self, blob: bytes) -> dict:
+        template = self._decoded.get(blob)
+        if template is None:
+            template = decode(blob, "template")
+            if len(self._decoded) >= self._size:
+                self._decoded.pop(next(iter(self._decoded)))
+            self._decoded[blob] = template
+        return template

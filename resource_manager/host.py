@@ -23,8 +23,6 @@ from pathways.names import CLIENT_ID_BITS, FETCH_TIMED_OUT, host_name, scheduler
 from resource_manager.buffers import BufferTable, Failure
 from resource_manager.executables import ExecutableCache
 
-TEMPLATE_CACHE = 256
-
 
 class Host:
     def __init__(self, island: int, index: int, n_hosts: int, namespace: str, op_timeout: float) -> None:
@@ -34,7 +32,7 @@ class Host:
         self._cond = threading.Condition()
         self._pending: dict[int, tuple] = {}
         self._next_seq = 0
-        self._templates: dict[bytes, dict] = {}
+        self._templates = wire.TemplateCache()
         self._peers: dict[tuple[int, int], Any] = {}
         self._scheduler_handle: Any = None
         self.table = BufferTable(self._cond)
@@ -94,7 +92,7 @@ class Host:
         output fails with that error, so the client learns why instead of waiting.
         """
         msg = wire.decode(payload, "call", "put", "free")
-        template = self._template(msg["template"]) if msg["kind"] == "call" else None
+        template = self._templates.get(msg["template"]) if msg["kind"] == "call" else None
         values = ray.get(refs, timeout=self.op_timeout) if refs and refusal is None else []
         with self._cond:
             if seq < self._next_seq or seq in self._pending:
@@ -103,15 +101,6 @@ class Host:
             while self._next_seq in self._pending:
                 self._admit(self._next_seq, *self._pending.pop(self._next_seq))
                 self._next_seq += 1
-
-    def _template(self, blob: bytes) -> dict:
-        template = self._templates.get(blob)
-        if template is None:
-            template = wire.decode(blob, "template")
-            if len(self._templates) >= TEMPLATE_CACHE:
-                self._templates.pop(next(iter(self._templates)))
-            self._templates[blob] = template
-        return template
 
     def _admit(self, seq: int, msg: dict, template: dict | None, values: list, refusal: list | None) -> None:
         from resource_manager.executor import Run

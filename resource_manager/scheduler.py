@@ -21,7 +21,6 @@ from pathways import wire
 from pathways.errors import TenantAccessError, to_wire
 from pathways.names import CLIENT_ID_BITS
 
-TEMPLATE_CACHE = 256
 FIRST_ESTIMATE_S = 1e-3
 RECENT_S = 10.0  # the window of the "recent" share that status shows while jobs run
 
@@ -32,7 +31,7 @@ class Scheduler:
         self._hosts = hosts
         self.window = window
         self._seq = 0
-        self._templates: dict[bytes, dict] = {}
+        self._templates = wire.TemplateCache()
         self._grants: dict[str, tuple[str, dict]] = {}
         self._clients: dict[int, str] = {}
         self._weights: dict[str, float] = {}
@@ -88,7 +87,7 @@ class Scheduler:
             slices = {msg["slice"]["key"]: msg["slice"]}
             first, last = msg["id"], msg["id"]
         else:
-            template = self._template(msg["template"])
+            template = self._templates.get(msg["template"])
             slices = template["slices"]
             first, last = msg["base"], msg["base"] + max(template["n_values"] - 1, 0)
         if first >> CLIENT_ID_BITS != client or last >> CLIENT_ID_BITS != client:
@@ -100,15 +99,6 @@ class Scheduler:
                                         f"{tenant!r}; a program may only run on its own slices")
                 return list(to_wire(exc))
         return None
-
-    def _template(self, blob: bytes) -> dict:
-        template = self._templates.get(blob)
-        if template is None:
-            template = wire.decode(blob, "template")
-            if len(self._templates) >= TEMPLATE_CACHE:
-                self._templates.pop(next(iter(self._templates)))
-            self._templates[blob] = template
-        return template
 
     def _pump(self) -> None:
         while len(self._inflight) < self.window:

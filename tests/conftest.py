@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import time
+
+# The client needs no devices, but the pure-JAX model tests shard over 4: give this process 4 CPU devices
+# before JAX loads (island hosts set their own through their runtime_env).
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 
 import pytest
 import ray

@@ -20,6 +20,7 @@ ran it.
 from __future__ import annotations
 
 import functools
+import math
 import operator
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -66,6 +67,19 @@ def opt_state_specs(opt_state: Any, params: Any, specs: Any) -> Any:
     return jax.tree_util.tree_map_with_path(spec_of, opt_state)
 
 
+def pack(tree: Any) -> jax.Array:
+    """A gradient piece's leaves as one flat replicated buffer: one message per piece instead of one per leaf."""
+    return jnp.concatenate([x.ravel() for x in jax.tree.leaves(tree)])
+
+
+def unpack(flat: jax.Array, like: Any) -> Any:
+    """The inverse of ``pack`` for a tree shaped like ``like``."""
+    leaves, treedef = jax.tree.flatten(like)
+    sizes = [math.prod(leaf.shape) for leaf in leaves]
+    parts = jnp.split(flat, np.cumsum(sizes)[:-1].tolist())
+    return jax.tree.unflatten(treedef, [part.reshape(leaf.shape) for part, leaf in zip(parts, leaves)])
+
+
 @dataclass(frozen=True)
 class Functions:
     """The step's compiled pieces. They have no slice: each runs on the pod of its first argument."""
@@ -75,6 +89,8 @@ class Functions:
     head: pw.CompiledFunction
     stage_backward: dict[int, pw.CompiledFunction]
     embed_backward: pw.CompiledFunction
+    pack_head: pw.CompiledFunction
+    pack_group: dict[int, pw.CompiledFunction]  # by group length
     apply: dict[int, pw.CompiledFunction]  # by number of pods
     eval_loss: pw.CompiledFunction
     exchange_buffer: pw.CompiledFunction
@@ -99,14 +115,17 @@ def functions(config: PalmConfig, optim_config: optim.OptimConfig) -> Functions:
         metrics, grads, cot = model.head_forward_backward(h, x, targets, config)
         return jnp.stack([metrics[k] for k in METRICS]), grads, cot
 
-    # One pod's gradient pieces: the head's, each group's (as its layers), the embedding lookup's.
-    grads_specs = {"lookup": P(), "head": head_specs,
-                   "groups": [[layer_spec] * (stop - start) for start, stop in config.group_bounds()]}
+    # One pod's gradient pieces, each packed into one buffer: the head's, each group's, the embedding lookup's.
+    like = {"head": model.head_params(shapes), "groups": model.split_groups(shapes["layers"], config)}
+    grads_specs = {"lookup": P(), "head": P(), "groups": [P()] * config.layer_groups}
 
     def apply(params: dict, opt_state: Any, *pod_grads: dict) -> tuple:
-        merged = [model.merge_group_grads({"embed": g["head"]["embed"] + g["lookup"],
-                                           "final_norm": g["head"]["final_norm"], "groups": g["groups"]})
-                  for g in pod_grads]
+        merged = []
+        for g in pod_grads:
+            head = unpack(g["head"], like["head"])
+            groups = [unpack(flat, group) for flat, group in zip(g["groups"], like["groups"])]
+            merged.append(model.merge_group_grads({"embed": head["embed"] + g["lookup"],
+                                                   "final_norm": head["final_norm"], "groups": groups}))
         n = len(merged)
         grads = jax.tree.map(lambda *xs: functools.reduce(operator.add, xs) / n, *merged)
         new_params, new_state = optim.apply_update(params, opt_state, grads, optim_config)
@@ -131,6 +150,9 @@ def functions(config: PalmConfig, optim_config: optim.OptimConfig) -> Functions:
                                 (ACT, ACT), lambda n: ([layer_spec] * n, ACT)),
         embed_backward=pw.jit(lambda t, c: model.embed_backward(t, c, config), in_specs=(P(DATA), ACT),
                               out_specs=P(), name="embed_backward"),
+        pack_head=pw.jit(pack, in_specs=(head_specs,), out_specs=P(), name="pack_head"),
+        pack_group={n: pw.jit(pack, in_specs=([layer_spec] * n,), out_specs=P(), name=f"pack_group{n}")
+                    for n in sizes},
         apply={pods: pw.jit(apply, in_specs=(specs, opt_specs) + (grads_specs,) * pods,
                             out_specs=(specs, opt_specs, P()), name=f"apply_{pods}pod")
                for pods in (1, 2)},
@@ -202,7 +224,8 @@ class TrainStep:
         """One pod's forward and staged backward, yielding (key, gradient piece) in the order computed.
 
         Keys: "head" (with the metrics: (metrics, head grads)), then each group index from the last,
-        then "lookup" (the embedding lookup's half of the embedding gradient).
+        then "lookup" (the embedding lookup's half of the embedding gradient). Each piece is one
+        packed buffer, so it crosses to the other pod as one message.
         """
         fns, config = self.fns, self.config
         groups = model.split_groups(params["layers"], config)
@@ -210,10 +233,10 @@ class TrainStep:
         for group in groups:
             xs.append(fns.stage_forward[len(group)](group, xs[-1]))
         metrics, head_grads, cot = fns.head(model.head_params(params), xs.pop(), batch["targets"])
-        yield "head", (metrics, head_grads)
+        yield "head", (metrics, fns.pack_head(head_grads))
         for g in reversed(range(len(groups))):
             group_grads, cot = fns.stage_backward[len(groups[g])](groups[g], xs[g], cot)
-            yield g, group_grads
+            yield g, fns.pack_group[len(groups[g])](group_grads)
         yield "lookup", fns.embed_backward(batch["inputs"], cot)
 
     def _assemble(self, pieces: dict) -> tuple[pw.Array, dict]:

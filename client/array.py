@@ -107,7 +107,7 @@ def put(value: Any, slice: VirtualSlice, spec: P | None = None) -> Array:  # noq
     if array.dtype == object:
         raise ProgramError(f"pw.put needs a numeric array, got {type(value).__name__} of objects")
     dtype = jax.dtypes.canonicalize_dtype(array.dtype)
-    array = np.ascontiguousarray(array, dtype=dtype)
+    array = np.asarray(array, dtype=dtype, order="C")  # (np.ascontiguousarray would make a 0-d array 1-d)
     check_spec(spec, array.shape, slice.shape, slice.axis_names, "pw.put")
     buffer_id = session.mint()
     msg = {"tenant": session.tenant, "client": session.client_id, "id": buffer_id, "slice": slice.desc(),
@@ -116,7 +116,7 @@ def put(value: Any, slice: VirtualSlice, spec: P | None = None) -> Array:  # noq
         refs = [ray.put(array)]
     else:  # scatter: each host of the slice receives only the shards its devices hold
         regions = owned_regions(array.shape, slice.desc(), spec)
-        refs = [ray.put({index: np.ascontiguousarray(array[tuple(np.s_[a:b] for a, b in index)])
+        refs = [ray.put({index: np.asarray(array[tuple(np.s_[a:b] for a, b in index)], order="C")
                          for index in regions[h]}) for h in slice.hosts]
         msg["per_host"] = True
     session.submit(slice.island, wire.encode("put", msg), refs)

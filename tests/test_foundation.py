@@ -106,6 +106,8 @@ def test_array_handle_properties_and_fetch(cluster):
         np.testing.assert_array_equal(np.asarray(x), value)
         f64 = pw.put(np.ones(2), s)
         assert f64.dtype == np.float32  # canonicalized the way JAX would
+        scalar = pw.put(np.int32(7), s)
+        assert scalar.shape == () and np.asarray(scalar).shape == () and int(np.asarray(scalar)) == 7
 
 
 def test_buffers_are_freed_when_handles_are_dropped(cluster):

@@ -5,6 +5,7 @@
     pathways submit --tenant NAME [--weight W] -- python script.py ...
     pathways jobs | pathways logs JOB [--follow] | pathways stop JOB
     pathways down
+    pathways graph script.py:function [--out graph.svg]
 
 Every command talks to ``--address``, else ``RAY_ADDRESS``, else the cluster ``pathways up``
 recorded. Jobs go through Ray's job submission API; the runtime (resource manager and islands)
@@ -95,7 +96,20 @@ def parser() -> argparse.ArgumentParser:
     dn = sub.add_parser("down", parents=[common], help="remove the islands; stop the head if `up` started it")
     dn.add_argument("--timeout", type=float, default=30.0)
     dn.set_defaults(run=cmd_down)
+
+    gr = sub.add_parser("graph", help="run SCRIPT.py and print (or --out render) the graph of its @pw.program")
+    gr.add_argument("target", metavar="SCRIPT.py:FUNCTION")
+    gr.add_argument("--out", help="write the graph here: .dot, or .svg/.png/.pdf with the graphviz extra")
+    gr.set_defaults(run=cmd_graph)
     return p
+
+
+def cmd_graph(args: argparse.Namespace) -> int:
+    from client.graphs import program_graph
+
+    dot = program_graph(args.target, args.out)
+    print(f"wrote {args.out}" if args.out else dot, end="\n" if args.out else "")
+    return 0
 
 
 # -- up / down -------------------------------------------------------------------------------------

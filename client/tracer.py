@@ -30,6 +30,14 @@ _OWN_DIRS = tuple(os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + 
                   for d in ("client", "pathways", "resource_manager"))
 
 
+_recent: dict[str, Program] = {}  # each program name's latest graph, for `pathways graph` after a script ran
+
+
+def recent_graph(name: str) -> Program | None:
+    """The graph a program called ``name`` traced most recently in this process, if any."""
+    return _recent.get(name)
+
+
 def _events() -> Any:
     from client.session import current
 
@@ -242,8 +250,14 @@ class ProgramFunction:
             traced = self._trace(leaves, treedef)
             self._cache[key] = traced
             self._last = traced
+            _recent[self.name] = traced.program
             _events().span(f"trace {self.name}", "trace", start, time.time(), nodes=len(traced.program.nodes))
         return traced, leaves
+
+    @property
+    def last_graph(self) -> Program | None:
+        """The graph this function traced most recently, if it ever ran."""
+        return None if self._last is None else self._last.program
 
     def graph(self, *args: Any) -> Program:
         """The Program this function traces to for these arguments (traced once, then cached).

@@ -1,6 +1,7 @@
 """Quickstart: compiled functions on virtual slices, then one program across two islands.
 
     python examples/quickstart.py
+    pathways graph examples/quickstart.py:two_islands --out two_islands.svg   # its graph, rendered
 
 Starts an embedded local Ray cluster (2 islands x 1 host x 4 simulated CPU devices), runs a sharded
 computation on a (2, 2) slice, then a @pw.program whose values cross islands host to host, and shows
@@ -32,17 +33,17 @@ def main() -> None:
     c = pw.jit(lambda v: v / 2.0, slice=s1, name="c")
 
     @pw.program
-    def program(v):
+    def two_islands(v):
         x = a(v)
         y = b(x)  # crosses islands: a transfer is inserted
         z = a(c(x))
         return y, z
 
     v = pw.put(np.array([1.0, 2.0], np.float32), s1)
-    y, z = program(v)  # one message per island, sent at once; both are futures
+    y, z = two_islands(v)  # one message per island, sent at once; both are futures
     print("y =", np.asarray(y), "on island", y.slice.island, "| z =", np.asarray(z), "on island", z.slice.island)
-    print(program.graph(v))
-    print(program.graph(v).to_dot())
+    print(two_islands.graph(v))
+    print(two_islands.graph(v).to_dot())
     print(pw.status())
     pw.shutdown()
 

@@ -96,3 +96,28 @@ def test_metrics_per_island(example, cluster):
     assert st.islands[0].tenant_time_s.get("default", 0) > 0
     text = str(st)
     assert "busy" in text and "compiles" in text and "queue depth" in text
+
+
+def test_graph_command_renders_a_scripts_program(cluster, tmp_path):
+    from client.graphs import program_graph
+    from client.jobs import CliError
+
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import numpy as np, pathways as pw\n"
+        "pw.init()\n"
+        "s, t = pw.slice((1,), ('x',), island=0), pw.slice((1,), ('x',), island=1)\n"
+        "f, g = pw.jit(lambda v: v + 1, slice=s, name='f'), pw.jit(lambda v: v * 2, slice=t, name='g')\n"
+        "def main():\n"
+        "    @pw.program\n"
+        "    def step(v):\n"
+        "        return g(f(v))\n"
+        "    print(np.asarray(step(pw.put(np.ones(2), s))))\n"
+        "main()\n")
+    dot = program_graph(f"{script}:step", str(tmp_path / "step.dot"))
+    assert dot.startswith('digraph "step"') and "island 0 -> 1" in dot and "8 bytes" in dot
+    assert (tmp_path / "step.dot").read_text() == dot
+    with pytest.raises(CliError, match="ran no @pw.program called 'missing'"):
+        program_graph(f"{script}:missing", None)
+    with pytest.raises(CliError, match="SCRIPT.py:FUNCTION"):
+        program_graph(str(script), None)

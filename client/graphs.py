@@ -1,0 +1,37 @@
+"""``pathways graph script.py:function``: the dataflow graph of a program a script runs.
+
+The script runs as ``__main__`` (so it starts, uses and stops its own cluster as usual); the named
+``@pw.program`` keeps the graph it traced most recently, which is printed as Graphviz text or written
+to a file (``.dot`` always; ``.svg``/``.png``/``.pdf`` with the optional graphviz extra).
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+from client.jobs import CliError
+from client.tracer import ProgramFunction, recent_graph
+
+
+def program_graph(target: str, out: str | None) -> str:
+    """Run ``path.py:function`` and return the DOT text of its last trace (also written to ``out``)."""
+    path, sep, name = target.rpartition(":")
+    if not sep or not path or not name:
+        raise CliError(f"expected SCRIPT.py:FUNCTION, got {target!r}")
+    if not os.path.isfile(path):
+        raise CliError(f"no such script: {path}")
+    saved_argv = sys.argv
+    sys.argv = [path]
+    try:
+        scope = runpy.run_path(path, run_name="__main__")
+    finally:
+        sys.argv = saved_argv
+    fn = scope.get(name)
+    graph = fn.last_graph if isinstance(fn, ProgramFunction) else recent_graph(name)
+    if graph is None:
+        raise CliError(f"{path} ran no @pw.program called {name!r}; its graph exists once the program has run")
+    if out:
+        graph.save(out)
+    return graph.to_dot()

@@ -16,7 +16,7 @@ long each pod's executor waited for receives (the exchange left exposed) and
 how long the sender threads were busy. It also times one direction of the
 exchange alone (every gradient piece, pod 0 to pod 1).
 
-    python -m benchmarks.palm_overlap --config small --batch 16 --blocks 6
+    python -m benchmarks.palm_overlap --config small --batch 16 --blocks 8
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import json
 import os
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -34,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pathways as pw
+from benchmarks.common import RESULTS, Table, default_out, ratio, ratio_text, write_json
 from examples.palm import data, model, optim
 from examples.palm.config import CONFIGS
 from examples.palm.step import PodState, TrainStep
@@ -121,9 +123,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--layer-groups", type=int, default=None, help="override the config's layer groups")
     parser.add_argument("--batch", type=int, default=16, help="global batch (rows), split over the pods")
     parser.add_argument("--block", type=int, default=5, help="steps per timed block")
-    parser.add_argument("--blocks", type=int, default=6, help="timed blocks per mode (interleaved)")
-    parser.add_argument("--json", default="palm_overlap.json")
-    parser.add_argument("--trace-dir", default=".", help="where the pw.trace files of the traced blocks go")
+    parser.add_argument("--blocks", type=int, default=8, help="timed blocks per mode (interleaved)")
+    parser.add_argument("--json", default=str(default_out("palm_overlap")))
+    parser.add_argument("--trace-dir", default=str(RESULTS / "palm_overlap_traces"),
+                        help="where the pw.trace files of the traced blocks go")
     parser.add_argument("--traced-blocks", type=int, default=3, help="blocks per mode run under pw.trace")
     args = parser.parse_args(argv)
 
@@ -166,27 +169,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       for island in ("island 0", "island 1")}
                for mode, blocks in traced.items()}
     grad_bytes = 4 * config.n_params()
+    table = Table(["mode", "s/step (median)", "vs local", "recv wait ms/step", "send ms/step", "s/step per block"])
+    for mode in MODES:
+        stats = [exposed.get(mode, {}).get(f"island {i}", {}) for i in (0, 1)]
+        table.add(mode, f"{medians[mode]:.3f}", ratio_text(ratio(medians[mode], medians["local"])),
+                  "/".join(f"{st.get('recv_wait_ms', 0):.0f}" for st in stats),
+                  "/".join(f"{st.get('send_ms', 0):.0f}" for st in stats),
+                  " ".join(f"{t:.3f}" for t in times[mode]))
+    saved = medians["after"] - medians["overlap"]
+    print(f"PaLM two-pod step, config {args.config} ({config.layer_groups} layer groups), global batch "
+          f"{args.batch}, {args.blocks} blocks x {args.block} steps per mode, interleaved")
+    print(f"gradients per pod: {grad_bytes / 2**20:.2f} MiB in {config.layer_groups + 2} packed pieces; "
+          f"moving them one way alone: {alone * 1e3:.1f} ms")
+    print(table.render())
+    print(f"recv wait, send: island 0/island 1, medians of {args.traced_blocks} traced blocks per mode")
+    print(f"overlap saves {saved * 1e3:.1f} ms/step ({100 * saved / medians['after']:.1f}% of 'after')")
     result = {"config": args.config, "layer_groups": config.layer_groups, "batch": args.batch,
               "grad_bytes": grad_bytes, "exchange_one_way_s": alone, "median_step_s": medians, "step_s": times,
               "exposed_exchange": exposed}
-    print(f"PaLM two-pod step, config {args.config} ({config.layer_groups} layer groups), global batch "
-          f"{args.batch}, {args.blocks} blocks x {args.block} steps per mode")
-    print(f"gradients per pod: {grad_bytes / 2**20:.2f} MiB in {config.layer_groups + 2} packed pieces; "
-          f"moving them one way alone: {alone * 1e3:.1f} ms")
-    print(f"{'mode':<9}{'median s/step':>14}{'vs local':>9}{'recv wait ms/step':>19}{'send ms/step':>14}"
-          "   s/step of every block")
-    for mode in MODES:
-        ratio = medians[mode] / medians["local"]
-        stats = [exposed.get(mode, {}).get(f"island {i}", {}) for i in (0, 1)]
-        waits = "/".join(f"{st.get('recv_wait_ms', 0):.0f}" for st in stats)
-        sends = "/".join(f"{st.get('send_ms', 0):.0f}" for st in stats)
-        blocks = " ".join(f"{t:.3f}" for t in times[mode])
-        print(f"{mode:<9}{medians[mode]:>14.3f}{ratio:>9.3f}{waits:>19}{sends:>14}   {blocks}")
-    print(f"(recv wait and send: island 0/island 1, medians of {args.traced_blocks} traced blocks per mode)")
-    saved = medians["after"] - medians["overlap"]
-    print(f"overlap saves {saved * 1e3:.1f} ms/step ({100 * saved / medians['after']:.1f}% of 'after')")
-    with open(args.json, "w") as f:
-        json.dump(result, f, indent=2)
+    print(f"wrote {write_json(Path(args.json), result)}")
     return result
 
 

@@ -38,6 +38,7 @@ from examples.palm.config import PalmConfig
 
 DATA, MODEL = "data", "model"
 ACT = P(DATA)  # activations and their cotangents: [batch, seq, d_model] split over the batch
+SHARDS = P((DATA, MODEL))  # a packed buffer of sharded leaves: one chunk per device
 METRICS = ("loss", "cross_entropy", "z_loss", "accuracy")
 SPIKE_SCALE = 100.0  # what an injected spike multiplies the shared embedding (so the logits) by
 
@@ -68,16 +69,45 @@ def opt_state_specs(opt_state: Any, params: Any, specs: Any) -> Any:
 
 
 def pack(tree: Any) -> jax.Array:
-    """A gradient piece's leaves as one flat replicated buffer: one message per piece instead of one per leaf."""
+    """Replicated leaves as one flat replicated buffer: one message per piece instead of one per leaf."""
     return jnp.concatenate([x.ravel() for x in jax.tree.leaves(tree)])
 
 
 def unpack(flat: jax.Array, like: Any) -> Any:
     """The inverse of ``pack`` for a tree shaped like ``like``."""
-    leaves, treedef = jax.tree.flatten(like)
-    sizes = [math.prod(leaf.shape) for leaf in leaves]
-    parts = jnp.split(flat, np.cumsum(sizes)[:-1].tolist())
-    return jax.tree.unflatten(treedef, [part.reshape(leaf.shape) for part, leaf in zip(parts, leaves)])
+    return _split(flat, jax.tree.structure(like), [leaf.shape for leaf in jax.tree.leaves(like)])
+
+
+def pack_shards(tree: Any, specs: Any) -> jax.Array:
+    """Sharded leaves as one flat buffer split over every device: each device packs the shards it holds.
+
+    No data moves between devices, and since both pods shard alike, each device's chunk crosses host
+    i to host i and lands where its unpacked shards belong.
+    """
+    mesh = jax.typeof(jax.tree.leaves(tree)[0]).sharding.mesh
+    return jax.shard_map(lambda t: jnp.concatenate([x.ravel() for x in jax.tree.leaves(t)]), mesh=mesh,
+                         in_specs=(specs,), out_specs=SHARDS, check_vma=False)(tree)
+
+
+def unpack_shards(flat: jax.Array, like: Any, specs: Any) -> Any:
+    """The inverse of ``pack_shards``: every leaf comes back with its sharding, without communication."""
+    mesh = jax.typeof(flat).sharding.mesh
+    sizes = dict(mesh.shape)
+    local = []
+    for leaf, spec in zip(jax.tree.leaves(like), jax.tree.leaves(specs, is_leaf=_is_spec)):
+        shape = list(leaf.shape)
+        for dim, entry in enumerate(spec):
+            for axis in (entry,) if isinstance(entry, str) else (entry or ()):
+                shape[dim] //= sizes[axis]
+        local.append(tuple(shape))
+    treedef = jax.tree.structure(like)
+    return jax.shard_map(lambda chunk: _split(chunk, treedef, local), mesh=mesh, in_specs=SHARDS,
+                         out_specs=specs, check_vma=False)(flat)
+
+
+def _split(flat: jax.Array, treedef: Any, shapes: list[tuple[int, ...]]) -> Any:
+    parts = jnp.split(flat, np.cumsum([math.prod(shape) for shape in shapes])[:-1].tolist())
+    return jax.tree.unflatten(treedef, [part.reshape(shape) for part, shape in zip(parts, shapes)])
 
 
 @dataclass(frozen=True)
@@ -116,14 +146,15 @@ def functions(config: PalmConfig, optim_config: optim.OptimConfig) -> Functions:
         return jnp.stack([metrics[k] for k in METRICS]), grads, cot
 
     # One pod's gradient pieces, each packed into one buffer: the head's, each group's, the embedding lookup's.
-    like = {"head": model.head_params(shapes), "groups": model.split_groups(shapes["layers"], config)}
-    grads_specs = {"lookup": P(), "head": P(), "groups": [P()] * config.layer_groups}
+    head_like, group_like = model.head_params(shapes), model.split_groups(shapes["layers"], config)
+    grads_specs = {"lookup": P(), "head": P(), "groups": [SHARDS] * config.layer_groups}
 
     def apply(params: dict, opt_state: Any, *pod_grads: dict) -> tuple:
         merged = []
         for g in pod_grads:
-            head = unpack(g["head"], like["head"])
-            groups = [unpack(flat, group) for flat, group in zip(g["groups"], like["groups"])]
+            head = unpack(g["head"], head_like)
+            groups = [unpack_shards(flat, like, [layer_spec] * len(like))
+                      for flat, like in zip(g["groups"], group_like)]
             merged.append(model.merge_group_grads({"embed": head["embed"] + g["lookup"],
                                                    "final_norm": head["final_norm"], "groups": groups}))
         n = len(merged)
@@ -151,8 +182,8 @@ def functions(config: PalmConfig, optim_config: optim.OptimConfig) -> Functions:
         embed_backward=pw.jit(lambda t, c: model.embed_backward(t, c, config), in_specs=(P(DATA), ACT),
                               out_specs=P(), name="embed_backward"),
         pack_head=pw.jit(pack, in_specs=(head_specs,), out_specs=P(), name="pack_head"),
-        pack_group={n: pw.jit(pack, in_specs=([layer_spec] * n,), out_specs=P(), name=f"pack_group{n}")
-                    for n in sizes},
+        pack_group={n: pw.jit(lambda g, n=n: pack_shards(g, [layer_spec] * n), in_specs=([layer_spec] * n,),
+                              out_specs=SHARDS, name=f"pack_group{n}") for n in sizes},
         apply={pods: pw.jit(apply, in_specs=(specs, opt_specs) + (grads_specs,) * pods,
                             out_specs=(specs, opt_specs, P()), name=f"apply_{pods}pod")
                for pods in (1, 2)},

@@ -55,6 +55,7 @@ def test_two_pods_stay_bitwise_identical_and_match_one_pod(slices, host_state):
     two, losses2 = _run(TrainStep(TINY, OPT, slices, overlap=True), host_state, 4)
     pod0, pod1 = _leaves(two.params[0]), _leaves(two.params[1])
     assert _bitwise_equal(pod0, pod1)
+    assert not _bitwise_equal(pod0, [np.asarray(x) for x in jax.tree.leaves(host_state[0])])  # it did train
     assert _bitwise_equal(_leaves(two.opt_state[0]), _leaves(two.opt_state[1]))
     one, losses1 = _run(TrainStep(TINY, OPT, slices[:1]), host_state, 4)
     np.testing.assert_allclose(losses2, losses1, rtol=1e-5)

@@ -1,5 +1,8 @@
-"""A PaLM-architecture byte-level language model in pure JAX.
+"""PaLM's pipeline-free two-pod training, run through the runtime.
 
-Nothing here imports the runtime: the training script wires these pieces
-(config, model, data, optimizer, FLOPs accounting) into it.
+Pure JAX, no runtime: ``config`` (shapes), ``model`` (the architecture and its
+staged backward), ``data`` (byte-level stdlib text), ``optim`` (PaLM's
+Adafactor), ``flops`` (MFU). On the runtime: ``step`` (the two-pod
+``@pw.program``), ``peak`` (the peak FLOP/s of the pods), ``train`` (the
+loop and its command line), with ``checkpoint``, ``spikes`` and ``logs``.
 """

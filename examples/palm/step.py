@@ -7,6 +7,12 @@ gradients to the other pod, and applies the optimizer to the sum of all pods'
 gradients, in the same argument order everywhere, so every pod computes
 bitwise-identical parameters.
 
+A piece (the head's gradients, one layer group's, the embedding lookup's) is
+packed into one buffer before it leaves, so it crosses as one message rather
+than one per parameter (on this CPU runtime each message costs about 2 ms).
+A group's buffer is packed shard by shard on each device, so packing moves no
+data, and it lands on the other pod's matching devices.
+
 The runtime places each send right after the computation that produced its
 value (sends run on a background thread), and each receive where the program
 reads the value. So with ``overlap=True`` the program moves the gradients

@@ -283,9 +283,10 @@ _moves: dict[tuple, ProgramFunction] = {}
 def transfer(value: Any, slice: Any, spec: P | None = None) -> Any:  # noqa: A002
     """Move ``value`` (a pw.Array, or a pytree of them) to ``slice``, resharded as ``spec`` (default: its own).
 
-    Inside a program the send is placed here, so it overlaps whatever the
-    program computes next (e.g. sending one layer group's gradients while the
-    next group's backward runs); outside one, it runs as a one-transfer program.
+    Inside a program the transfer joins the graph here: the send still leaves
+    right after the value is produced (sends never wait), and the receiving
+    island takes the value at this point in its order. Outside a program it
+    runs as a one-transfer program.
     """
     trace = current_trace()
     if trace is None:

@@ -10,8 +10,6 @@ Variants, each a concrete change to try in ``resource_manager`` (none is applied
   as-is      the runtime's path.
   parallel   one ``deliver`` call per piece, issued from a thread pool, the consumer assembling when the
              last piece lands: the pieces are written into the object store concurrently.
-  aligned    ``region`` gathers into a 64-byte-aligned buffer, so ``jax.device_put`` on CPU aliases it
-             instead of copying (received pieces are aligned already; a fresh ``np.empty`` is not).
   on-device  resharding: the pieces are adopted zero-copy in the source sharding and XLA reshards them.
 
     python -m benchmarks.transfer_breakdown [--quick] [--out PATH]
@@ -42,12 +40,12 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from benchmarks.common import Table, default_out, median, timed, write_json  # noqa: E402
 from pathways import wire  # noqa: E402
 from pathways.sharding import device_indices, index_from_wire, plan_transfer, spec_from_wire, spec_to_wire  # noqa: E402
-from resource_manager.transfer import local_pieces, region  # noqa: E402
+from resource_manager.transfer import aligned_empty, local_pieces, region  # noqa: E402
 
 MIB = 2**20
 DEVICES = 4
 CASES = {"P(x)->P(x)": (P("x", None), P("x", None)), "P(x)->P(None,x)": (P("x", None), P(None, "x"))}
-VARIANTS = {"P(x)->P(x)": ("as-is", "parallel"), "P(x)->P(None,x)": ("as-is", "parallel", "aligned", "on-device")}
+VARIANTS = {"P(x)->P(x)": ("as-is", "parallel"), "P(x)->P(None,x)": ("as-is", "parallel", "on-device")}
 STAGES = ("asarray", "serialize", "ray call", "region", "device_put", "total")
 TIMEOUT_S = 120.0
 WARM_BYTES = 2**30  # untimed traffic first: Ray's object store is slow on pages a process touches the first time
@@ -59,31 +57,6 @@ def slice_desc() -> dict:
 
 def local_mesh() -> Mesh:
     return Mesh(np.array(jax.devices()[:DEVICES]), ("x",))
-
-
-def aligned_empty(shape: Sequence[int], dtype: np.dtype, align: int = 64) -> np.ndarray:
-    """An uninitialized array whose data starts on an ``align``-byte boundary (so XLA:CPU can alias it)."""
-    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    raw = np.empty(nbytes + align, np.uint8)
-    offset = (-raw.ctypes.data) % align
-    return raw[offset:offset + nbytes].view(dtype).reshape(shape)
-
-
-def aligned_region(pieces: dict, want: tuple, dtype: np.dtype) -> np.ndarray:
-    """``resource_manager.transfer.region`` gathering into an aligned buffer."""
-    exact = pieces.get(want)
-    if exact is not None:
-        return exact
-    out = aligned_empty([b - a for a, b in want], dtype)
-    for have, data in pieces.items():
-        lo = [max(a, c) for (a, _), (c, _) in zip(have, want)]
-        hi = [min(b, d) for (_, b), (_, d) in zip(have, want)]
-        if any(x >= y for x, y in zip(lo, hi)):
-            continue
-        src = tuple(slice(x - a, y - a) for x, y, (a, _) in zip(lo, hi, have))
-        dst = tuple(slice(x - c, y - c) for x, y, (c, _) in zip(lo, hi, want))
-        out[dst] = data[src]
-    return out
 
 
 class Producer:
@@ -158,9 +131,8 @@ class Consumer:
             array = jax.device_put(rows, NamedSharding(mesh, plan["dst"]))
             aliased = [p.unsafe_buffer_pointer() == pieces[idx].ctypes.data for p, idx in zip(parts, src_idx)]
         else:
-            gather = aligned_region if variant == "aligned" else region
-            t3 = time.time()
-            regions = [gather(pieces, idx, np.dtype(np.float32)) for _, idx in plan["wanted"]]
+            t3 = time.time()  # region gathers into 64-byte-aligned buffers, so device_put can alias them
+            regions = [region(pieces, idx, np.dtype(np.float32)) for _, idx in plan["wanted"]]
             t4 = time.time()
             parts = [jax.device_put(r, dev) for r, (dev, _) in zip(regions, plan["wanted"])]
             array = jax.make_array_from_single_device_arrays(tuple(shape), NamedSharding(mesh, plan["dst"]), parts)

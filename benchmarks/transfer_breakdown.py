@@ -40,7 +40,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from benchmarks.common import Table, default_out, median, timed, write_json  # noqa: E402
 from pathways import wire  # noqa: E402
 from pathways.sharding import device_indices, index_from_wire, plan_transfer, spec_from_wire, spec_to_wire  # noqa: E402
-from resource_manager.transfer import aligned_empty, local_pieces, region  # noqa: E402
+from resource_manager.buffer_pool import aligned_empty  # noqa: E402
+from resource_manager.transfer import local_pieces, region  # noqa: E402
 
 MIB = 2**20
 DEVICES = 4

@@ -1,7 +1,8 @@
 """The msgpack wire format of every control message, versioned and validated on decode.
 
 Arrays never travel inside these messages: they go as numpy buffers in Ray's
-object store, next to the message. A message that fails validation raises
+object store next to the message, or (same node) as addresses the receiver
+copies from. A message that fails validation raises
 ``WireFormatError`` naming the field that was wrong, so a peer can refuse it
 without crashing or touching any state.
 """
@@ -23,6 +24,8 @@ SPEC = ("list", ("opt", ("or", str, ("list", str))))
 AVAL = {"shape": ("list", int), "dtype": str}
 SLICE = {"key": str, "shape": ("list", int), "axes": ("list", str), "devices": ("list", ("list", int))}
 ROUTE = {"host": int, "to": int, "shards": ("list", ("list", ("list", int)))}
+# Shards lent by a sender on the same node: the receiver copies them out of process ``pid`` at ``addrs``.
+DIRECT = {"pid": int, "host": int, "lease": int, "addrs": ("list", int)}
 
 FREES = ("opt", ("list", int))  # slots freed right after the op: intermediates at their last use
 OPS: dict[str, dict] = {
@@ -43,7 +46,7 @@ MESSAGES: dict[str, dict] = {
             "per_host": ("opt", bool)},
     "free": {"tenant": str, "client": int, "ids": ("list", int), "everything": ("opt", bool)},
     "deliver": {"key": int, "src": int, "shards": ("list", ("list", ("list", int))),
-                "failure": ("opt", ("list", str))},
+                "failure": ("opt", ("list", str)), "direct": ("opt", DIRECT)},
     "fetch": {"tenant": str, "id": int, "timeout": float, "ready_only": bool},
     "register": {"tenant": str, "pid": int, "weight": float},
     "quota": {"tenant": str, "devices": ("opt", int)},

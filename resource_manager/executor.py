@@ -23,8 +23,10 @@ from pathways import wire
 from pathways.errors import IslandFailedError, TenantAccessError, to_wire
 from pathways.events import EventLog
 from pathways.sharding import dtype_from_wire, index_from_wire, spec_from_wire
+from resource_manager.buffer_pool import BufferPool
 from resource_manager.buffers import BufferTable, Failure
 from resource_manager.devices import LocalDevices
+from resource_manager.direct import MIN_BYTES, Lender, Lent
 from resource_manager.executables import ExecutableCache
 from resource_manager.transfer import assemble, local_pieces
 
@@ -80,14 +82,18 @@ class Mailbox:
 class Executor:
     def __init__(self, island: int, host: int, devices: LocalDevices, table: BufferTable,
                  exes: ExecutableCache, cond: threading.Condition, peer: Callable[[int, int], Any],
-                 scheduler: Callable[[], Any], strict: bool, op_timeout: float, events: EventLog) -> None:
+                 scheduler: Callable[[], Any], strict: bool, op_timeout: float, events: EventLog,
+                 lender: Lender, pool: BufferPool) -> None:
         self.island, self.host = island, host
         self.devices, self.table, self.exes, self.cond = devices, table, exes, cond
         self._peer = peer
         self._scheduler = scheduler
+        self.lender = lender
+        self.pool = pool
         self.events = events
         self.bytes_out = 0
         self.bytes_in = 0
+        self.bytes_in_direct = 0
         self._done: list[list] = []
         self._blocked: list[int] = []
         self.strict = strict
@@ -234,7 +240,9 @@ class Executor:
             self._sender.submit(self._deliver_all, failure, run.rid(op["key"]), op["island"], op["routes"])
         elif kind == "recv":
             with self.cond:
-                self.mailbox.pop(run.rid(op["out"]), None)
+                box = self.mailbox.pop(run.rid(op["out"]), None)
+            if box is not None:
+                self._return_leases(box)
         outs = op.get("out", [])
         ids = [run.rid(slot) for slot in (outs if isinstance(outs, list) else [outs])]
         if kind == "put":
@@ -319,12 +327,17 @@ class Executor:
                 continue
             start = time.time()
             datas = [np.asarray(pieces[index_from_wire(s)]) for s in route["shards"]]
-            meta = wire.encode("deliver", {"key": key, "src": self.island, "shards": route["shards"]})
-            peer.deliver.remote(meta, *datas)
             nbytes = sum(d.nbytes for d in datas)
+            body = {"key": key, "src": self.island, "shards": route["shards"]}
+            direct = nbytes >= MIN_BYTES and self.lender.reachable(island, route["to"], self.op_timeout)
+            if direct:  # same node: the receiver copies the shards out of this process
+                body["direct"] = self.lender.lend(datas, island)
+                peer.deliver.remote(wire.encode("deliver", body))
+            else:
+                peer.deliver.remote(wire.encode("deliver", body), *datas)
             self.bytes_out += nbytes
             self.events.span("send shards", "send", start, time.time(), bytes=nbytes, dst_island=island,
-                             dst_host=route["to"], key=key)
+                             dst_host=route["to"], key=key, direct=direct)
 
     def deliver(self, msg: dict, datas: tuple) -> None:
         """Called by a peer's send (under self.cond): file the pieces until the recv op claims them."""
@@ -333,8 +346,18 @@ class Executor:
             box.failure = Failure(*msg["failure"])
         for shard, data in zip(msg["shards"], datas):
             box.pieces[index_from_wire(shard)] = data
-            self.bytes_in += data.nbytes
+            if isinstance(data, np.ndarray):
+                self.bytes_in += data.nbytes
         self.touch()
+
+    def _return_leases(self, box: Mailbox) -> None:
+        """Hand lent pieces back to their senders, copied or not: they may let go of them now."""
+        by_sender: dict[tuple[int, int], list[int]] = {}
+        for piece in box.pieces.values():
+            if isinstance(piece, Lent):
+                by_sender.setdefault(piece.src, []).append(piece.lease)
+        for (island, host), leases in by_sender.items():
+            self._peer(island, host).release_lent.remote(leases)
 
     def _recv(self, run: Run, op: dict) -> bool:
         expect = dict(map(tuple, op["expect"])).get(self.host)
@@ -354,8 +377,19 @@ class Executor:
             del self.mailbox[out]
         desc, spec = run.slices[op["slice"]], spec_from_wire(op["spec"])
         shape, dtype = op["aval"]["shape"], dtype_from_wire(op["aval"]["dtype"])
-        array = assemble(shape, dtype, self.devices.sharding(desc, spec),
-                         self.devices.wanted(desc, shape, spec), box.pieces)
+        try:
+            array = assemble(shape, dtype, self.devices.sharding(desc, spec),
+                             self.devices.wanted(desc, shape, spec), box.pieces, self.pool.take)
+        except OSError as exc:
+            raise IslandFailedError(f"copying the shards island {op['src']} lent to island {self.island} "
+                                    f"(program {run.label!r}) failed: {exc}; the sending host died") from exc
+        finally:
+            self._return_leases(box)
+        lent = [p for p in box.pieces.values() if isinstance(p, Lent)]
+        if lent:
+            nbytes = sum(int(np.prod([b - a for a, b in p.index])) for p in lent) * dtype.itemsize
+            self.bytes_in += nbytes
+            self.bytes_in_direct += nbytes
         self.table.put(out, run.tenant, array)
         return True
 
@@ -376,6 +410,7 @@ class Executor:
         return True
 
     def island_failed(self, island: int) -> None:
+        self.lender.drop_island(island)
         with self.cond:
             self.failed_islands.add(island)
             self.touch()
@@ -383,4 +418,5 @@ class Executor:
     def stats(self) -> dict:
         return {"queue_depth": len(self.runs), "completed": self.completed, "ops": self.ops_run,
                 "busy_s": self.busy_s, "mailbox": len(self.mailbox), "bytes_in": self.bytes_in,
-                "bytes_out": self.bytes_out}
+                "bytes_out": self.bytes_out, "bytes_in_direct": self.bytes_in_direct,
+                "lent_bytes": self.lender.lent_bytes}

@@ -58,19 +58,24 @@ class Host:
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
             jax.distributed.initialize(coordinator, num_processes=self.n_hosts, process_id=self.index,
                                        initialization_timeout=120)
+        from resource_manager.buffer_pool import BufferPool
         from resource_manager.devices import LocalDevices
+        from resource_manager.direct import Lender
         from resource_manager.executor import Executor
 
         self.devices = LocalDevices(self.index)
+        self.pool = BufferPool()
+        self.node = ray.get_runtime_context().get_node_id()
+        lender = Lender(self.node, self.index, self._peer)
         self.executor = Executor(self.island, self.index, self.devices, self.table, self.exes, self._cond,
                                  self._peer, self._scheduler, strict=self.n_hosts > 1, op_timeout=self.op_timeout,
-                                 events=self.events)
+                                 events=self.events, lender=lender, pool=self.pool)
         from resource_manager.metrics import HostMetrics
 
         self.metrics = HostMetrics(self.island, self.index, self.stats)
         return {"island": self.island, "host": self.index, "pid": os.getpid(),
                 "ip": ray.util.get_node_ip_address(),
-                "node": ray.get_runtime_context().get_node_id(), "devices": self.devices.describe()}
+                "node": self.node, "devices": self.devices.describe()}
 
     def _scheduler(self) -> Any:
         if self._scheduler_handle is None:
@@ -91,16 +96,33 @@ class Host:
         A message the scheduler refused (``refusal`` = [kind, message]) is admitted as a run whose every
         output fails with that error, so the client learns why instead of waiting.
         """
-        msg = wire.decode(payload, "call", "put", "free")
-        template = self._templates.get(msg["template"]) if msg["kind"] == "call" else None
-        values = ray.get(refs, timeout=self.op_timeout) if refs and refusal is None else []
+        self.enqueue_batch([(seq, payload, refs, refusal)])
+
+    def enqueue_batch(self, items: list) -> None:
+        """Accept several ``(seq, payload, refs, refusal)`` messages in one call (see ``enqueue``): the
+        scheduler forwards all it releases at once. A malformed item raises after the others are accepted."""
+        accepted, error = [], None
+        for seq, payload, refs, refusal in items:
+            try:
+                msg = wire.decode(payload, "call", "put", "free")
+                template = self._templates.get(msg["template"]) if msg["kind"] == "call" else None
+            except WireFormatError as exc:
+                error = error or exc
+                continue
+            values = ray.get(refs, timeout=self.op_timeout) if refs and refusal is None else []
+            accepted.append((seq, msg, template, values, refusal))
         with self._cond:
-            if seq < self._next_seq or seq in self._pending:
-                raise WireFormatError(f"sequence number {seq} was already admitted on island {self.island}")
-            self._pending[seq] = (msg, template, values, refusal)
+            for seq, *entry in accepted:
+                if seq < self._next_seq or seq in self._pending:
+                    error = error or WireFormatError(f"sequence number {seq} was already admitted on island "
+                                                     f"{self.island}")
+                    continue
+                self._pending[seq] = tuple(entry)
             while self._next_seq in self._pending:
                 self._admit(self._next_seq, *self._pending.pop(self._next_seq))
                 self._next_seq += 1
+        if error is not None:
+            raise error
 
     def _admit(self, seq: int, msg: dict, template: dict | None, values: list, refusal: list | None) -> None:
         from resource_manager.executor import Run
@@ -141,12 +163,32 @@ class Host:
 
     # -- data plane -------------------------------------------------------------------------------
     def deliver(self, meta: bytes, *pieces: np.ndarray) -> None:
-        """Shards sent by a host of another island, for a recv op here."""
+        """Shards sent by a host of another island, for a recv op here: attached, or lent (same node)."""
+        from pathways.sharding import index_from_wire
+        from resource_manager.direct import Lent
+
         msg = wire.decode(meta, "deliver")
+        lent = msg.get("direct")
+        if lent is not None:
+            if pieces or len(lent["addrs"]) != len(msg["shards"]):
+                raise WireFormatError(f"deliver: {len(msg['shards'])} lent shard indices but {len(lent['addrs'])} "
+                                      f"addresses and {len(pieces)} attached arrays")
+            pieces = tuple(Lent(lent["pid"], addr, index_from_wire(shard), (msg["src"], lent["host"]), lent["lease"])
+                           for addr, shard in zip(lent["addrs"], msg["shards"]))
         if len(pieces) != len(msg["shards"]):
             raise WireFormatError(f"deliver: {len(msg['shards'])} shard indices but {len(pieces)} arrays")
         with self._cond:
             self.executor.deliver(msg, pieces)
+
+    def probe_direct(self, node: str, pid: int, addr: int, expected: bytes) -> bool:
+        """Whether this host can copy lent shards out of process ``pid``: same Ray node, and permitted."""
+        from resource_manager.direct import can_read
+
+        return node == self.node and can_read(pid, addr, expected)
+
+    def release_lent(self, leases: list[int]) -> None:
+        """A receiver has copied these leases' shards: let go of them."""
+        self.executor.lender.release(leases)
 
     def fetch(self, payload: bytes) -> Any:
         """A buffer's value as numpy (or this host's shards of it); waits at most the given timeout."""
@@ -197,4 +239,5 @@ class Host:
                    "uptime_s": time.time() - self.started,
                    "busy_fraction": self.metrics.busy_fraction if self.metrics is not None else 0.0}
             out.update(self.executor.stats())
+            out.update(self.pool.stats())
         return out

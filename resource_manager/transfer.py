@@ -1,20 +1,25 @@
 """Moving shards between hosts: cut a resident array into pieces, and rebuild one from pieces.
 
 Pieces travel as numpy arrays through Ray's object store (zero-copy on the
-receiving side); a destination device whose region matches a received piece
+receiving side) or are copied straight out of a sender on the same node
+(``direct``); a destination device whose region matches a received piece
 exactly takes that piece as is, otherwise its region is gathered from the
 overlapping pieces.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
 from pathways.sharding import Index
+from resource_manager.buffer_pool import aligned_empty
+from resource_manager.direct import Lent, copy_into
+
+Alloc = Callable[[Sequence[int], np.dtype], np.ndarray]
 
 
 def index_of(slices: tuple[slice, ...], shape: Sequence[int]) -> Index:
@@ -34,31 +39,31 @@ def local_pieces(array: jax.Array) -> dict[Index, jax.Array]:
     return pieces
 
 
-def aligned_empty(shape: Sequence[int], dtype: np.dtype, alignment: int = 64) -> np.ndarray:
-    """An uninitialized array whose data starts on a 64-byte boundary: jax.device_put on CPU adopts such
-    a buffer without copying, while numpy's own (16-byte aligned) allocations take XLA's slow copy."""
-    dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    raw = np.empty(nbytes + alignment, dtype=np.uint8)
-    offset = -raw.ctypes.data % alignment
-    return raw[offset:offset + nbytes].view(dtype).reshape(shape)
+def region(pieces: dict[Index, np.ndarray | Lent], want: Index, dtype: np.dtype, alloc: Alloc = aligned_empty,
+           lent: list | None = None) -> np.ndarray:
+    """The ``want`` region, taken whole from one piece or gathered from several into ``alloc``'s buffer.
 
-
-def region(pieces: dict[Index, np.ndarray], want: Index, dtype: np.dtype) -> np.ndarray:
-    """The ``want`` region, taken whole from one piece or gathered from several."""
+    Overlaps with lent pieces are not copied here but appended to ``lent`` as ``(piece, out, want)``,
+    for ``direct.copy_into`` to fill in one pass.
+    """
     exact = pieces.get(want)
-    if exact is not None:
+    if isinstance(exact, np.ndarray):
         return exact
-    out = aligned_empty([b - a for a, b in want], dtype)
+    out = alloc([b - a for a, b in want], dtype)
     filled = 0
     for have, data in pieces.items():
         lo = [max(a, c) for (a, _), (c, _) in zip(have, want)]
         hi = [min(b, d) for (_, b), (_, d) in zip(have, want)]
         if any(x >= y for x, y in zip(lo, hi)):
             continue
-        src = tuple(slice(x - a, y - a) for x, y, (a, _) in zip(lo, hi, have))
-        dst = tuple(slice(x - c, y - c) for x, y, (c, _) in zip(lo, hi, want))
-        out[dst] = data[src]
+        if isinstance(data, Lent):
+            if lent is None:
+                raise ValueError(f"region {want} overlaps a lent piece but no list collects the copies")
+            lent.append((data, out, want))
+        else:
+            src = tuple(slice(x - a, y - a) for x, y, (a, _) in zip(lo, hi, have))
+            dst = tuple(slice(x - c, y - c) for x, y, (c, _) in zip(lo, hi, want))
+            out[dst] = data[src]
         filled += int(np.prod([y - x for x, y in zip(lo, hi)]))
     if filled < out.size:
         raise ValueError(f"received pieces cover {filled} of the {out.size} elements of region {want}")
@@ -66,7 +71,12 @@ def region(pieces: dict[Index, np.ndarray], want: Index, dtype: np.dtype) -> np.
 
 
 def assemble(shape: Sequence[int], dtype: np.dtype, sharding: NamedSharding,
-             wanted: Sequence[tuple[jax.Device, Index]], pieces: dict[Index, np.ndarray]) -> jax.Array:
+             wanted: Sequence[tuple[jax.Device, Index]], pieces: dict[Index, np.ndarray | Lent],
+             alloc: Alloc = aligned_empty) -> jax.Array:
     """A global array on ``sharding`` whose local devices get their regions from ``pieces``."""
-    arrays = [jax.device_put(region(pieces, idx, dtype), dev) for dev, idx in wanted]
+    lent: list = []
+    regions = [region(pieces, idx, dtype, alloc, lent) for _, idx in wanted]
+    if lent:
+        copy_into(lent, np.dtype(dtype).itemsize)
+    arrays = [jax.device_put(r, dev) for r, (dev, _) in zip(regions, wanted)]
     return jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays)

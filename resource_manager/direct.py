@@ -1,0 +1,229 @@
+"""Same-node transfers without the object store: the receiver copies shards straight out of the sender.
+
+Writing a large array into Ray's object store runs at about 2 GB/s here (its
+shared-memory pages are slow to fill), several times slower than a memcpy. Two
+hosts on one node share a kernel, so the sender instead *lends* its shards: it
+keeps the arrays alive and sends their addresses. The receiver's recv op copies
+them with Linux's cross-memory attach (``process_vm_readv``, what MPI libraries
+use for large intra-node messages) straight into the buffers its devices will
+adopt: one copy, even when resharding, because one call reads a contiguous
+stretch of the sender's memory and scatters it over many local segments (the
+rows of several destination shards). Then the lease goes back and the sender
+lets go of the arrays.
+
+A route uses this path only after a probe showed that the receiver runs on the
+same Ray node and may read this process (ptrace permissions allow it);
+otherwise shards go through the object store.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import os
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from pathways.sharding import Index
+
+MIN_BYTES = 100 * 1024  # below this Ray sends the bytes inline with the message, which is cheaper
+CHUNK = 4 * 2**20  # bytes per read call: big copies are split over several threads
+IOV_MAX = 1024  # Linux's limit on segments per call
+THREADS = max(1, min(4, os.cpu_count() or 1))
+PROBE = bytes(range(64))
+
+
+@dataclass(frozen=True)
+class Lent:
+    """A shard that stays in its sender: where to copy it from, and whom to return the lease to."""
+
+    pid: int
+    addr: int
+    index: Index
+    src: tuple[int, int]  # (island, host)
+    lease: int
+
+
+def _load() -> Callable | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    fn = getattr(ctypes.CDLL(None, use_errno=True), "process_vm_readv", None)
+    if fn is None:
+        return None
+    fn.restype = ctypes.c_ssize_t
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
+    return fn
+
+
+_readv = _load()
+_threads = ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="direct-read")
+
+
+def _iovecs(addrs: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """A C array of ``struct iovec`` (base, length): two 64-bit words each."""
+    out = np.empty((len(addrs), 2), dtype=np.uint64)
+    out[:, 0], out[:, 1] = addrs, lengths
+    return out
+
+
+def _read(pid: int, local: np.ndarray, remote: np.ndarray, nbytes: int) -> None:
+    got = _readv(pid, local.ctypes.data, len(local), remote.ctypes.data, len(remote), 0)
+    if got != nbytes:
+        err = ctypes.get_errno() if got < 0 else 0
+        raise OSError(err, f"copying {nbytes} bytes out of process {pid} stopped after {max(got, 0)}: "
+                           f"{os.strerror(err) if err else 'its memory changed under the copy'}")
+
+
+def runs(have: Index, want: Index, itemsize: int) -> tuple[np.ndarray, np.ndarray, int] | None:
+    """Byte offsets of the contiguous runs where region ``have`` overlaps ``want`` (both row-major).
+
+    Returns (offsets in ``have``, offsets in ``want``, run length), or None when they do not overlap.
+    Trailing dimensions both regions hold whole merge into longer runs.
+    """
+    lo = [max(a, c) for (a, _), (c, _) in zip(have, want)]
+    hi = [min(b, d) for (_, b), (_, d) in zip(have, want)]
+    if any(x >= y for x, y in zip(lo, hi)):
+        return None
+    ndim = len(have)
+    if ndim == 0:
+        return np.zeros(1, np.int64), np.zeros(1, np.int64), itemsize
+    box = [y - x for x, y in zip(lo, hi)]
+    src_shape = [b - a for a, b in have]
+    dst_shape = [b - a for a, b in want]
+    last = ndim - 1
+    while last > 0 and box[last] == src_shape[last] == dst_shape[last]:
+        last -= 1
+    length = int(np.prod(box[last:], dtype=np.int64)) * itemsize
+
+    def offsets(region: Index, shape: list[int]) -> np.ndarray:
+        strides = np.cumprod([1] + shape[::-1][:-1], dtype=np.int64)[::-1] * itemsize
+        start = np.array([x - a for x, (a, _) in zip(lo, region)], dtype=np.int64)
+        base = int(start @ strides)
+        if last == 0:
+            return np.array([base], np.int64)
+        grid = np.indices(box[:last], dtype=np.int64).reshape(last, -1)
+        return base + strides[:last] @ grid
+
+    return offsets(have, src_shape), offsets(want, dst_shape), length
+
+
+def copy_into(jobs: Sequence[tuple[Lent, np.ndarray, Index]], itemsize: int) -> int:
+    """Fill each ``(piece, out, out_index)``'s overlap with the lent piece; returns the bytes copied.
+
+    Per piece, every destination's runs are sorted by their place in the sender's memory, so each call
+    reads one contiguous stretch there and scatters it; calls run on several threads.
+    """
+    if _readv is None:
+        raise OSError("process_vm_readv is not available on this platform")
+    by_piece: dict[Lent, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
+    for piece, out, index in jobs:
+        found = runs(piece.index, index, itemsize)
+        if found is not None:
+            src, dst, length = found
+            by_piece.setdefault(piece, []).append((src, dst + out.ctypes.data, np.full(len(src), length, np.int64)))
+    calls = []
+    for piece, parts in by_piece.items():
+        src, dst, lengths = (np.concatenate(p) for p in zip(*parts))
+        order = np.argsort(src, kind="stable")
+        src, dst, lengths = src[order], dst[order], lengths[order]
+        if len(src) > 1 and np.any(src[1:] < src[:-1] + lengths[:-1]):  # two destinations want the same bytes
+            for part in parts:
+                calls.extend(_calls(piece, *part))
+        else:
+            calls.extend(_calls(piece, src, dst, lengths))
+    if len(calls) == 1:
+        _read(*calls[0])
+    else:
+        for future in [_threads.submit(_read, *call) for call in calls]:
+            future.result()
+    return sum(call[3] for call in calls)
+
+
+def _calls(piece: Lent, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray) -> list[tuple]:
+    """Cut sorted, non-overlapping runs into read calls of at most IOV_MAX segments and about CHUNK bytes."""
+    if lengths.max() > CHUNK:  # a long run becomes several, so threads can share it
+        pieces = [np.arange(0, n, CHUNK, dtype=np.int64) for n in lengths]
+        counts = np.array([len(p) for p in pieces])
+        step = np.concatenate(pieces)
+        src, dst = np.repeat(src, counts) + step, np.repeat(dst, counts) + step
+        lengths = np.minimum(np.repeat(lengths, counts) - step, CHUNK)
+    per_call = int(max(1, min(IOV_MAX, CHUNK // max(1, int(lengths.max())))))
+    calls = []
+    for start in range(0, len(src), per_call):
+        s, d, n = src[start:start + per_call], dst[start:start + per_call], lengths[start:start + per_call]
+        breaks = np.flatnonzero(np.r_[True, s[1:] != s[:-1] + n[:-1]])
+        remote = _iovecs(piece.addr + s[breaks], np.add.reduceat(n, breaks))
+        calls.append((piece.pid, _iovecs(d, n), remote, int(n.sum())))
+    return calls
+
+
+def can_read(pid: int, addr: int, expected: bytes) -> bool:
+    """Whether this process may read process ``pid`` (same kernel, ptrace permission) and sees ``expected``."""
+    if _readv is None:
+        return False
+    out = np.empty(len(expected), np.uint8)
+    one = np.array([len(expected)], np.int64)
+    try:
+        _read(pid, _iovecs(np.array([out.ctypes.data]), one), _iovecs(np.array([addr]), one), len(expected))
+    except OSError:
+        return False
+    return out.tobytes() == expected
+
+
+class Lender:
+    """The sender's side: shards lent to receivers on this node, kept alive until their lease comes back."""
+
+    def __init__(self, node: str, host: int, peer: Callable[[int, int], Any]) -> None:
+        self.node, self.host = node, host
+        self.pid = os.getpid()
+        self._peer = peer
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._lent: dict[int, tuple[list[np.ndarray], int]] = {}
+        self._reachable: dict[tuple[int, int], bool] = {}
+        self._probe = np.frombuffer(PROBE, np.uint8).copy()
+
+    def reachable(self, island: int, host: int, timeout: float) -> bool:
+        """Whether host ``(island, host)`` can read this process: asked once per peer, then remembered."""
+        key = (island, host)
+        known = self._reachable.get(key)
+        if known is None:
+            import ray
+
+            ref = self._peer(island, host).probe_direct.remote(self.node, self.pid, self._probe.ctypes.data, PROBE)
+            try:
+                known = bool(ray.get(ref, timeout=timeout))
+            except Exception:  # an unreachable peer fails its transfer on the object-store path instead
+                known = False
+            self._reachable[key] = known
+        return known
+
+    def lend(self, arrays: list[np.ndarray], island: int) -> dict:
+        """Keep ``arrays`` alive for a reader on ``island``; the ``direct`` field of a deliver message."""
+        arrays = [np.ascontiguousarray(a) for a in arrays]
+        with self._lock:
+            lease = next(self._ids)
+            self._lent[lease] = (arrays, island)
+        return {"pid": self.pid, "host": self.host, "lease": lease, "addrs": [a.ctypes.data for a in arrays]}
+
+    def release(self, leases: Sequence[int]) -> None:
+        with self._lock:
+            for lease in leases:
+                self._lent.pop(int(lease), None)
+
+    def drop_island(self, island: int) -> None:
+        """A failed island will never read what was lent to it."""
+        with self._lock:
+            for k in [k for k, (_, dst) in self._lent.items() if dst == island]:
+                del self._lent[k]
+
+    @property
+    def lent_bytes(self) -> int:
+        with self._lock:
+            return sum(a.nbytes for arrays, _ in self._lent.values() for a in arrays)

@@ -1,7 +1,9 @@
-"""Where an island-to-island transfer's time goes: the stages of the runtime's send and recv, timed one by one.
+"""Where an object-store transfer's time goes: the stages of the runtime's send and recv, timed one by one.
 
-Two plain Ray actors with 4 CPU devices each (like two single-host islands) run the operations of
-``Executor._deliver_all`` and ``Executor._recv``: ``local_pieces`` and ``np.asarray`` on the producer, one
+This is the path between hosts on different nodes (hosts on one node copy lent shards directly, see
+``resource_manager/direct.py``; ``benchmarks/transfer.py`` measures that). Two plain Ray actors with 4 CPU
+devices each (like two single-host islands) run the operations of ``Executor._deliver_all`` and
+``Executor._recv`` on the object-store path: ``local_pieces`` and ``np.asarray`` on the producer, one
 ``deliver`` actor call carrying every piece with the msgpack ``deliver`` message, then on the consumer
 ``region`` per device, ``jax.device_put`` per device and ``make_array_from_single_device_arrays``. Each
 stage is stamped with the wall clock (both actors share this machine's clock).

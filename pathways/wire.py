@@ -25,7 +25,7 @@ AVAL = {"shape": ("list", int), "dtype": str}
 SLICE = {"key": str, "shape": ("list", int), "axes": ("list", str), "devices": ("list", ("list", int))}
 ROUTE = {"host": int, "to": int, "shards": ("list", ("list", ("list", int)))}
 # Shards lent by a sender on the same node: the receiver copies them out of process ``pid`` at ``addrs``.
-DIRECT = {"pid": int, "host": int, "lease": int, "addrs": ("list", int)}
+DIRECT = {"pid": int, "host": int, "lease": int, "addrs": ("list", int), "channel": str}
 
 FREES = ("opt", ("list", int))  # slots freed right after the op: intermediates at their last use
 OPS: dict[str, dict] = {
@@ -46,7 +46,8 @@ MESSAGES: dict[str, dict] = {
             "per_host": ("opt", bool)},
     "free": {"tenant": str, "client": int, "ids": ("list", int), "everything": ("opt", bool)},
     "deliver": {"key": int, "src": int, "shards": ("list", ("list", ("list", int))),
-                "failure": ("opt", ("list", str)), "direct": ("opt", DIRECT)},
+                "failure": ("opt", ("list", str)), "direct": ("opt", DIRECT), "dtype": ("opt", str)},
+    "returned": {"leases": ("list", int)},
     "fetch": {"tenant": str, "id": int, "timeout": float, "ready_only": bool},
     "register": {"tenant": str, "pid": int, "weight": float},
     "quota": {"tenant": str, "devices": ("opt", int)},

@@ -30,7 +30,9 @@ from typing import Any
 
 import numpy as np
 
+from pathways import wire
 from pathways.sharding import Index
+from resource_manager.channel import Channel
 
 MIN_BYTES = 100 * 1024  # below this Ray sends the bytes inline with the message, which is cheaper
 CHUNK = 4 * 2**20  # bytes per read call: big copies are split over several threads
@@ -48,6 +50,7 @@ class Lent:
     index: Index
     src: tuple[int, int]  # (island, host)
     lease: int
+    reply: str  # the sender's channel address, where the lease goes back ("" = by Ray)
 
 
 def _load() -> Callable | None:
@@ -177,32 +180,75 @@ def can_read(pid: int, addr: int, expected: bytes) -> bool:
 
 
 class Lender:
-    """The sender's side: shards lent to receivers on this node, kept alive until their lease comes back."""
+    """The sender's side: how shards reach a peer host, and the shards lent to peers on this node.
 
-    def __init__(self, node: str, host: int, peer: Callable[[int, int], Any]) -> None:
+    A peer on this node that passed the probe gets frames on the channel: small shards inside the frame,
+    large ones lent (kept alive here until their lease comes back). Other peers get Ray actor calls with
+    the shards attached, through the object store.
+    """
+
+    def __init__(self, node: str, host: int, peer: Callable[[int, int], Any], channel: Channel | None) -> None:
         self.node, self.host = node, host
         self.pid = os.getpid()
+        self.channel = channel
         self._peer = peer
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._lent: dict[int, tuple[list[np.ndarray], int]] = {}
-        self._reachable: dict[tuple[int, int], bool] = {}
+        self._links: dict[tuple[int, int], str] = {}
         self._probe = np.frombuffer(PROBE, np.uint8).copy()
 
-    def reachable(self, island: int, host: int, timeout: float) -> bool:
-        """Whether host ``(island, host)`` can read this process: asked once per peer, then remembered."""
+    def link(self, island: int, host: int, timeout: float) -> str:
+        """The channel address of host ``(island, host)`` if it can read this process, else "": asked once
+        per peer, then remembered."""
         key = (island, host)
-        known = self._reachable.get(key)
+        known = self._links.get(key)
         if known is None:
-            import ray
+            known = ""
+            if self.channel is not None and _readv is not None:
+                import ray
 
-            ref = self._peer(island, host).probe_direct.remote(self.node, self.pid, self._probe.ctypes.data, PROBE)
-            try:
-                known = bool(ray.get(ref, timeout=timeout))
-            except Exception:  # an unreachable peer fails its transfer on the object-store path instead
-                known = False
-            self._reachable[key] = known
+                ref = self._peer(island, host).probe_direct.remote(self.node, self.pid, self._probe.ctypes.data,
+                                                                   PROBE)
+                try:
+                    known = ray.get(ref, timeout=timeout) or ""
+                except Exception:  # an unreachable peer fails its transfer on the Ray path instead
+                    pass
+            self._links[key] = known
         return known
+
+    def send(self, island: int, host: int, body: dict, arrays: list[np.ndarray], timeout: float) -> bool:
+        """Deliver ``body`` (a deliver message without its arrays) and ``arrays`` to a peer host; returns
+        whether the shards were lent."""
+        link = self.link(island, host, timeout)
+        lend = link and sum(a.nbytes for a in arrays) >= MIN_BYTES
+        if link:
+            if lend:
+                frame, attached = dict(body, direct=self.lend(arrays, island)), []
+            else:
+                frame, attached = dict(body, dtype=arrays[0].dtype.name) if arrays else body, arrays
+            try:
+                self.channel.send(link, wire.encode("deliver", frame), attached)
+                return bool(lend)
+            except OSError:  # the peer's socket is gone: Ray says whether the peer is
+                if lend:
+                    self.release([frame["direct"]["lease"]])
+        self._peer(island, host).deliver.remote(wire.encode("deliver", body), *arrays)
+        return False
+
+    def give_back(self, pieces: Sequence[Lent]) -> None:
+        """The receiver's side: return the leases of lent pieces to their senders, copied or not."""
+        by_sender: dict[tuple[tuple[int, int], str], list[int]] = {}
+        for piece in pieces:
+            by_sender.setdefault((piece.src, piece.reply), []).append(piece.lease)
+        for ((island, host), reply), leases in by_sender.items():
+            if reply and self.channel is not None:
+                try:
+                    self.channel.send(reply, wire.encode("returned", {"leases": leases}))
+                    continue
+                except OSError:
+                    pass
+            self._peer(island, host).release_lent.remote(leases)
 
     def lend(self, arrays: list[np.ndarray], island: int) -> dict:
         """Keep ``arrays`` alive for a reader on ``island``; the ``direct`` field of a deliver message."""
@@ -210,7 +256,8 @@ class Lender:
         with self._lock:
             lease = next(self._ids)
             self._lent[lease] = (arrays, island)
-        return {"pid": self.pid, "host": self.host, "lease": lease, "addrs": [a.ctypes.data for a in arrays]}
+        return {"pid": self.pid, "host": self.host, "lease": lease, "addrs": [a.ctypes.data for a in arrays],
+                "channel": self.channel.address if self.channel is not None else ""}
 
     def release(self, leases: Sequence[int]) -> None:
         with self._lock:

@@ -19,14 +19,13 @@ from typing import Any
 import jax
 import numpy as np
 
-from pathways import wire
 from pathways.errors import IslandFailedError, TenantAccessError, to_wire
 from pathways.events import EventLog
 from pathways.sharding import dtype_from_wire, index_from_wire, spec_from_wire
 from resource_manager.buffer_pool import BufferPool
 from resource_manager.buffers import BufferTable, Failure
 from resource_manager.devices import LocalDevices
-from resource_manager.direct import MIN_BYTES, Lender, Lent
+from resource_manager.direct import Lender, Lent
 from resource_manager.executables import ExecutableCache
 from resource_manager.transfer import assemble, local_pieces
 
@@ -319,22 +318,15 @@ class Executor:
     def _deliver_all(self, value: Any, key: int, island: int, routes: list[dict]) -> None:
         pieces = None if isinstance(value, Failure) else local_pieces(value)
         for route in routes:
-            peer = self._peer(island, route["to"])
             if pieces is None:
-                meta = wire.encode("deliver", {"key": key, "src": self.island, "shards": [],
-                                               "failure": [value.kind, value.message]})
-                peer.deliver.remote(meta)
+                body = {"key": key, "src": self.island, "shards": [], "failure": [value.kind, value.message]}
+                self.lender.send(island, route["to"], body, [], self.op_timeout)
                 continue
             start = time.time()
             datas = [np.asarray(pieces[index_from_wire(s)]) for s in route["shards"]]
-            nbytes = sum(d.nbytes for d in datas)
             body = {"key": key, "src": self.island, "shards": route["shards"]}
-            direct = nbytes >= MIN_BYTES and self.lender.reachable(island, route["to"], self.op_timeout)
-            if direct:  # same node: the receiver copies the shards out of this process
-                body["direct"] = self.lender.lend(datas, island)
-                peer.deliver.remote(wire.encode("deliver", body))
-            else:
-                peer.deliver.remote(wire.encode("deliver", body), *datas)
+            direct = self.lender.send(island, route["to"], body, datas, self.op_timeout)
+            nbytes = sum(d.nbytes for d in datas)
             self.bytes_out += nbytes
             self.events.span("send shards", "send", start, time.time(), bytes=nbytes, dst_island=island,
                              dst_host=route["to"], key=key, direct=direct)
@@ -352,12 +344,9 @@ class Executor:
 
     def _return_leases(self, box: Mailbox) -> None:
         """Hand lent pieces back to their senders, copied or not: they may let go of them now."""
-        by_sender: dict[tuple[int, int], list[int]] = {}
-        for piece in box.pieces.values():
-            if isinstance(piece, Lent):
-                by_sender.setdefault(piece.src, []).append(piece.lease)
-        for (island, host), leases in by_sender.items():
-            self._peer(island, host).release_lent.remote(leases)
+        lent = [piece for piece in box.pieces.values() if isinstance(piece, Lent)]
+        if lent:
+            self.lender.give_back(lent)
 
     def _recv(self, run: Run, op: dict) -> bool:
         expect = dict(map(tuple, op["expect"])).get(self.host)

@@ -20,6 +20,7 @@ from pathways import wire
 from pathways.errors import WireFormatError, from_wire
 from pathways.events import EventLog
 from pathways.names import CLIENT_ID_BITS, FETCH_TIMED_OUT, host_name, scheduler_name
+from pathways.sharding import dtype_from_wire, index_from_wire
 from resource_manager.buffers import BufferTable, Failure
 from resource_manager.executables import ExecutableCache
 
@@ -59,6 +60,7 @@ class Host:
             jax.distributed.initialize(coordinator, num_processes=self.n_hosts, process_id=self.index,
                                        initialization_timeout=120)
         from resource_manager.buffer_pool import BufferPool
+        from resource_manager.channel import open_channel
         from resource_manager.devices import LocalDevices
         from resource_manager.direct import Lender
         from resource_manager.executor import Executor
@@ -66,7 +68,9 @@ class Host:
         self.devices = LocalDevices(self.index)
         self.pool = BufferPool()
         self.node = ray.get_runtime_context().get_node_id()
-        lender = Lender(self.node, self.index, self._peer)
+        self.channel = open_channel(f"pathways/{self.namespace}/{self.island}.{self.index}/{os.getpid()}",
+                                    self._on_frame)
+        lender = Lender(self.node, self.index, self._peer, self.channel)
         self.executor = Executor(self.island, self.index, self.devices, self.table, self.exes, self._cond,
                                  self._peer, self._scheduler, strict=self.n_hosts > 1, op_timeout=self.op_timeout,
                                  events=self.events, lender=lender, pool=self.pool)
@@ -163,28 +167,51 @@ class Host:
 
     # -- data plane -------------------------------------------------------------------------------
     def deliver(self, meta: bytes, *pieces: np.ndarray) -> None:
-        """Shards sent by a host of another island, for a recv op here: attached, or lent (same node)."""
-        from pathways.sharding import index_from_wire
+        """Shards sent by a host of another island (by Ray: another node), for a recv op here."""
+        self._file(wire.decode(meta, "deliver"), pieces)
+
+    def _on_frame(self, meta: bytes, data: memoryview) -> None:
+        """A frame from a host on this node: shards lent or carried in ``data``, or leases coming back."""
+        msg = wire.decode(meta, "deliver", "returned")
+        if msg["kind"] == "returned":
+            self.executor.lender.release(msg["leases"])
+            return
+        pieces: tuple = ()
+        if msg.get("dtype") is not None:  # small shards, back to back in the frame
+            dtype, offset, out = dtype_from_wire(msg["dtype"]), 0, []
+            for shard in msg["shards"]:
+                shape = [b - a for a, b in shard]
+                count = int(np.prod(shape, dtype=np.int64))
+                out.append(np.frombuffer(data, dtype, count, offset).reshape(shape))
+                offset += count * dtype.itemsize
+            if offset != len(data):
+                raise WireFormatError(f"deliver: the shards take {offset} bytes but the frame carries {len(data)}")
+            pieces = tuple(out)
+        self._file(msg, pieces)
+
+    def _file(self, msg: dict, pieces: tuple) -> None:
         from resource_manager.direct import Lent
 
-        msg = wire.decode(meta, "deliver")
         lent = msg.get("direct")
         if lent is not None:
             if pieces or len(lent["addrs"]) != len(msg["shards"]):
                 raise WireFormatError(f"deliver: {len(msg['shards'])} lent shard indices but {len(lent['addrs'])} "
                                       f"addresses and {len(pieces)} attached arrays")
-            pieces = tuple(Lent(lent["pid"], addr, index_from_wire(shard), (msg["src"], lent["host"]), lent["lease"])
+            src = (msg["src"], lent["host"])
+            pieces = tuple(Lent(lent["pid"], addr, index_from_wire(shard), src, lent["lease"], lent["channel"])
                            for addr, shard in zip(lent["addrs"], msg["shards"]))
         if len(pieces) != len(msg["shards"]):
             raise WireFormatError(f"deliver: {len(msg['shards'])} shard indices but {len(pieces)} arrays")
         with self._cond:
             self.executor.deliver(msg, pieces)
 
-    def probe_direct(self, node: str, pid: int, addr: int, expected: bytes) -> bool:
-        """Whether this host can copy lent shards out of process ``pid``: same Ray node, and permitted."""
+    def probe_direct(self, node: str, pid: int, addr: int, expected: bytes) -> str:
+        """This host's channel address if it can copy lent shards out of process ``pid`` (same Ray node,
+        and permitted), else ""."""
         from resource_manager.direct import can_read
 
-        return node == self.node and can_read(pid, addr, expected)
+        ok = self.channel is not None and node == self.node and can_read(pid, addr, expected)
+        return self.channel.address if ok else ""
 
     def release_lent(self, leases: list[int]) -> None:
         """A receiver has copied these leases' shards: let go of them."""
@@ -231,7 +258,7 @@ class Host:
 
     def stats(self) -> dict:
         with self._cond:
-            out = {"island": self.island, "host": self.index, "buffers": len(self.table),
+            out = {"island": self.island, "host": self.index, "pid": os.getpid(), "buffers": len(self.table),
                    "buffer_bytes": self.table.nbytes, "peak_buffer_bytes": self.table.peak_bytes,
                    "by_tenant": self.table.by_tenant(),
                    "compiles": self.exes.compiles, "cache_hits": self.exes.hits, "executables": len(self.exes),
@@ -240,4 +267,6 @@ class Host:
                    "busy_fraction": self.metrics.busy_fraction if self.metrics is not None else 0.0}
             out.update(self.executor.stats())
             out.update(self.pool.stats())
+            if self.channel is not None:
+                out.update(frames_in=self.channel.frames_in, frames_out=self.channel.frames_out)
         return out

@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import gc
 import os
+import socket
 import subprocess
 import time
 
 import jax
 import numpy as np
 import pytest
+import ray
 from jax.sharding import PartitionSpec as P
 
 import pathways as pw
+from pathways.names import NAMESPACE
 from resource_manager import direct
 from resource_manager.buffer_pool import BufferPool
+from resource_manager.channel import HEADER
 from resource_manager.direct import Lent
 from resource_manager.transfer import region
 from tests.conftest import host_stats
@@ -37,7 +41,7 @@ def lend_all(value: np.ndarray, cuts: list[int]) -> tuple[dict, list]:
     for i, idx in enumerate(blocks(value.shape, cuts)):
         piece = np.ascontiguousarray(value[tuple(slice(a, b) for a, b in idx)])
         keep.append(piece)
-        pieces[idx] = Lent(os.getpid(), piece.ctypes.data, idx, (0, 0), i)
+        pieces[idx] = Lent(os.getpid(), piece.ctypes.data, idx, (0, 0), i, "")
     return pieces, keep
 
 
@@ -73,7 +77,7 @@ def test_copy_into_two_destinations_wanting_the_same_bytes():
 def test_reading_a_dead_process_raises():
     proc = subprocess.Popen(["true"])
     proc.wait(timeout=30)
-    piece = Lent(proc.pid, 4096, ((0, 1024),), (0, 0), 1)
+    piece = Lent(proc.pid, 4096, ((0, 1024),), (0, 0), 1, "")
     out = np.empty(1024, np.float32)
     with pytest.raises(OSError, match=f"process {proc.pid}"):
         direct.copy_into([(piece, out, ((0, 1024),))], 4)
@@ -124,19 +128,38 @@ def test_islands_on_one_node_transfer_directly(cluster, src_spec, dst_spec):
         ident = pw.jit(lambda v: v * 1.0, slice=b, in_specs=(dst_spec,), out_specs=dst_spec)
         move = pw.program(lambda v: ident(v))
         x = pw.put(value, a, src_spec)
-        before = host_stats(cluster, 1)["bytes_in_direct"]
+        before = host_stats(cluster, 1)
         for _ in range(3):
             np.testing.assert_array_equal(move(x).fetch(timeout=60), value)
-        assert host_stats(cluster, 1)["bytes_in_direct"] - before == 3 * value.nbytes
+        after = host_stats(cluster, 1)
+        assert after["bytes_in_direct"] - before["bytes_in_direct"] == 3 * value.nbytes
+        assert after["frames_in"] - before["frames_in"] >= 3  # announced on the same-node channel
         assert wait_for(lambda: host_stats(cluster, 0)["lent_bytes"] == 0), "the sender kept lent shards"
         assert host_stats(cluster, 1)["pool_reused"] > 0
 
 
-def test_small_transfers_travel_with_the_message(cluster):
-    value = np.ones((16, 16), np.float32)
-    with pw.slice((4,), ("x",), island=0) as a, pw.slice((4,), ("x",), island=1) as b:
-        ident = pw.jit(lambda v: v + 1.0, slice=b, in_specs=(P("x"),), out_specs=P("x"))
-        before = host_stats(cluster, 1)["bytes_in_direct"]
+def test_small_transfers_travel_inside_the_frame(cluster):
+    value = np.arange(16 * 16, dtype=np.int32).reshape(16, 16)
+    with pw.slice((4,), ("x",), island=0) as a, pw.slice((2, 2), ("x", "y"), island=1) as b:
+        ident = pw.jit(lambda v: v + 1, slice=b, in_specs=(P("y", "x"),), out_specs=P("y", "x"))
+        before = host_stats(cluster, 1)
         np.testing.assert_array_equal(pw.program(lambda v: ident(v))(pw.put(value, a, P("x"))).fetch(timeout=60),
-                                      value + 1.0)
-        assert host_stats(cluster, 1)["bytes_in_direct"] == before
+                                      value + 1)
+        after = host_stats(cluster, 1)
+        assert after["bytes_in_direct"] == before["bytes_in_direct"]
+        assert after["frames_in"] > before["frames_in"]
+
+
+def test_a_garbage_frame_is_refused_and_the_channel_carries_on(cluster):
+    address = ray.get(cluster.islands[1].hosts[0].probe_direct.remote("", 0, 0, b""), timeout=30)
+    assert address == ""  # wrong node: no channel offered
+    pid = host_stats(cluster, 1)["pid"]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.connect(f"\0pathways/{NAMESPACE}/1.0/{pid}")
+        junk = b"not msgpack at all"
+        conn.sendall(HEADER.pack(len(junk), 0) + junk)
+    value = np.ones((256, 256), np.float32)
+    with pw.slice((4,), ("x",), island=0) as a, pw.slice((4,), ("x",), island=1) as b:
+        ident = pw.jit(lambda v: v * 2.0, slice=b, in_specs=(P("x"),), out_specs=P("x"))
+        out = pw.program(lambda v: ident(v))(pw.put(value, a, P("x"))).fetch(timeout=60)
+    np.testing.assert_array_equal(out, value * 2.0)

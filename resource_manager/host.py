@@ -62,12 +62,13 @@ class Host:
         from resource_manager.buffer_pool import BufferPool
         from resource_manager.channel import open_channel
         from resource_manager.devices import LocalDevices
-        from resource_manager.direct import Lender
+        from resource_manager.direct import Lender, allow_peer_reads
         from resource_manager.executor import Executor
 
         self.devices = LocalDevices(self.index)
         self.pool = BufferPool()
         self.node = ray.get_runtime_context().get_node_id()
+        allow_peer_reads()
         self.channel = open_channel(f"pathways/{self.namespace}/{self.island}.{self.index}/{os.getpid()}",
                                     self._on_frame)
         lender = Lender(self.node, self.index, self._peer, self.channel)

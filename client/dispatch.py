@@ -2,7 +2,8 @@
 
 Output ids are minted here, so the call returns ``pw.Array`` futures at
 once; islands accept fragments before their inputs exist and wait (bounded)
-for them.
+for them. The session's outboxes (``client.outbox``) carry the messages,
+several per actor call while a scheduler is busy.
 """
 
 from __future__ import annotations

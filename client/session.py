@@ -21,6 +21,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from client.outbox import Outboxes
 from pathways import wire
 from pathways.errors import IslandFailedError, PathwaysError, ResourceError, from_wire
 from pathways.events import EventLog
@@ -73,6 +74,7 @@ class Session:
         self.sent_exes: list[set[str]] = [set() for _ in self.islands]
         self.dead: dict[int, str] = {}
         self.slices: dict[str, Any] = {}
+        self.outboxes = Outboxes([i.scheduler for i in self.islands])
         self.frees = FreeBatcher(self)
         self.events = EventLog()
         self.closed = False
@@ -102,10 +104,10 @@ class Session:
         return msg["value"]
 
     def submit(self, island: int, payload: bytes, refs: list | None = None) -> None:
-        """Hand one message to an island's scheduler without waiting for it."""
+        """Hand one message to an island's scheduler without waiting for it (in order; see ``client.outbox``)."""
         if island in self.dead:
             raise IslandFailedError(f"island {island} has failed ({self.dead[island]}); allocate a new slice")
-        self.islands[island].scheduler.submit.remote(payload, refs)
+        self.outboxes.put(island, payload, refs)
 
     def hosts_of(self, island: int, host_ids: Sequence[int]) -> list[Any]:
         return [self.islands[island].hosts[h] for h in host_ids]
@@ -178,6 +180,7 @@ class Session:
             if island.index not in self.dead:
                 self.submit(island.index, wire.encode("free", {"tenant": self.tenant, "client": self.client_id,
                                                                "ids": [], "everything": True}))
+        self.outboxes.close(self.timeouts.op, skip=set(self.dead))
         try:
             self.rm_call("unregister", "unregister", {"client": self.client_id})
         except PathwaysError as exc:

@@ -2,13 +2,20 @@
 
 It is a plain (single-threaded) Ray actor, so messages from one client keep
 their order. Each message is validated and checked against the slices its
-tenant owns, then queued per tenant. Up to ``window`` fragments are in flight
-on the island; the next one comes from the tenant with the lowest *pass*
-(stride scheduling: a tenant's pass grows by the island time it used divided
-by its weight), so busy tenants share the island in proportion to their
-weights. Each forwarded message gets the next sequence number and goes to
-all hosts, which admit strictly by that number: collectives launched by two
-clients on the same hosts can never interleave differently on two hosts.
+tenant owns, then queued per tenant. Up to ``window`` fragments, and about
+``window_s`` seconds of estimated island time, are in flight on the island;
+the next one comes from the tenant with the lowest *pass* (stride scheduling:
+a tenant's pass grows by the island time it used divided by its weight), so
+busy tenants share the island in proportion to their weights. Each forwarded
+message gets the next sequence number and goes to all hosts, which admit
+strictly by that number: collectives launched by two clients on the same
+hosts can never interleave differently on two hosts.
+
+Small computations are cheap to run and dear to send: once ``eager``
+fragments are in flight, new messages wait for the next completion report and
+go with everything released then, as one message per host. The busier the
+island (the more clients), the larger those batches and the cheaper each
+fragment's trip.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from collections import deque
 from typing import Any
 
 from pathways import wire
-from pathways.errors import TenantAccessError, to_wire
+from pathways.errors import TenantAccessError, WireFormatError, to_wire
 from pathways.names import CLIENT_ID_BITS
 
 FIRST_ESTIMATE_S = 1e-3
@@ -26,10 +33,13 @@ RECENT_S = 10.0  # the window of the "recent" share that status shows while jobs
 
 
 class Scheduler:
-    def __init__(self, island: int, hosts: list[Any], window: int = 16) -> None:
+    def __init__(self, island: int, hosts: list[Any], window: int = 64, window_s: float = 0.05,
+                 eager: int = 8) -> None:
         self.island = island
         self._hosts = hosts
-        self.window = window
+        self.window, self.window_s, self.eager = window, window_s, eager
+        self._inflight_s = 0.0  # the estimates of the fragments in flight
+        self._received = [0, 0]  # submit calls, messages in them: how well clients coalesce
         self._seq = 0
         self._templates = wire.TemplateCache()
         self._grants: dict[str, tuple[str, dict]] = {}
@@ -64,6 +74,26 @@ class Scheduler:
     # -- the ordered stream ---------------------------------------------------------------------
     def submit(self, payload: bytes, refs: list | None = None) -> None:
         """Queue one message (fragment call, put or free) for its tenant; forward what the window allows."""
+        self.submit_batch([(payload, refs)])
+
+    def submit_batch(self, items: list) -> None:
+        """Queue several ``(payload, refs)`` messages of one client, in order (its session coalesces what it
+        dispatches while this actor is busy); forward them now only while fewer than ``eager`` fragments are
+        in flight. A malformed message raises after the others are queued."""
+        self._received[0] += 1
+        self._received[1] += len(items)
+        error = None
+        for payload, refs in items:
+            try:
+                self._queue(payload, refs)
+            except WireFormatError as exc:
+                error = error or exc
+        if len(self._inflight) < self.eager:
+            self._pump()
+        if error is not None:
+            raise error
+
+    def _queue(self, payload: bytes, refs: list | None) -> None:
         msg = wire.decode(payload, "call", "put", "free")
         refusal = self._check(msg)
         tenant = msg["tenant"]
@@ -74,7 +104,6 @@ class Scheduler:
             active = [self._pass[t] for t, q in self._queues.items() if q]
             self._pass[tenant] = max(self._pass.get(tenant, 0.0), min(active, default=0.0))
         queue.append((payload, refs, refusal, msg["kind"] == "call"))
-        self._pump()
 
     def _check(self, msg: dict) -> list[str] | None:
         """None if the tenant owns every slice the message names, else the refusal to hand the hosts."""
@@ -101,26 +130,32 @@ class Scheduler:
         return None
 
     def _pump(self) -> None:
-        while len(self._inflight) < self.window:
+        """Release what the window allows, in pass order, as one batch per host: a backlogged island pays
+        one actor call per batch instead of one per message."""
+        released = []
+        while len(self._inflight) < self.window and (not self._inflight or self._inflight_s < self.window_s):
             ready = [t for t, q in self._queues.items() if q]
             if not ready:
-                return
+                break
             tenant = min(ready, key=lambda t: (self._pass[t], t))
             payload, refs, refusal, counts = self._queues[tenant].popleft()
             seq = self._seq
             self._seq += 1
-            for host in self._hosts:
-                host.enqueue.remote(seq, payload, refs, refusal)
+            released.append((seq, payload, refs, refusal))
             if counts and refusal is None:
                 estimate = self._estimate.get(tenant, FIRST_ESTIMATE_S)
                 self._pass[tenant] += estimate / self._weights.get(tenant, 1.0)
                 self._inflight[seq] = (tenant, estimate)
+                self._inflight_s += estimate
                 self._fragments[tenant] = self._fragments.get(tenant, 0) + 1
+        if released:
+            for host in self._hosts:
+                host.enqueue_batch.remote(released)
 
     def completed(self, reports: list[list]) -> None:
         """Hosts report (seq, island seconds) for finished fragments; charge them to their tenants."""
         for seq, busy in reports:
-            entry = self._inflight.pop(seq, None) or self._blocked.pop(seq, None)
+            entry = self._leave_window(seq) or self._blocked.pop(seq, None)
             if entry is None:
                 continue
             tenant, estimate = entry
@@ -134,10 +169,16 @@ class Scheduler:
         """Fragments waiting on another island's transfer leave the window, so islands never wait on
         each other's windows (which could deadlock two islands exchanging data)."""
         for seq in seqs:
-            entry = self._inflight.pop(seq, None)
+            entry = self._leave_window(seq)
             if entry is not None:
                 self._blocked[seq] = entry
         self._pump()
+
+    def _leave_window(self, seq: int) -> tuple[str, float] | None:
+        entry = self._inflight.pop(seq, None)
+        if entry is not None:
+            self._inflight_s = self._inflight_s - entry[1] if self._inflight else 0.0
+        return entry
 
     def warm(self) -> None:
         """Resolve the host handles once, so the first real message is not delayed."""
@@ -153,6 +194,8 @@ class Scheduler:
         for _, tenant, busy in self._recent:
             recent[tenant] = recent.get(tenant, 0.0) + busy
         return {"tenant_time_recent_s": recent, "island": self.island, "sequenced": self._seq, "window": self.window,
+                "window_s": self.window_s, "inflight_s": self._inflight_s,
                 "queued": sum(len(q) for q in self._queues.values()), "inflight": len(self._inflight),
                 "blocked": len(self._blocked), "tenant_time_s": dict(self._time),
-                "fragments": dict(self._fragments), "weights": dict(self._weights)}
+                "fragments": dict(self._fragments), "weights": dict(self._weights),
+                "submit_calls": self._received[0], "messages": self._received[1]}

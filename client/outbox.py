@@ -1,0 +1,116 @@
+"""A client's messages to the island schedulers: in order, coalesced while a scheduler is busy.
+
+A message goes at once while fewer than ``unanswered`` messages the
+scheduler has not answered yet are on their way, so a lone call (or a short
+run of them) never waits. Otherwise the scheduler is still busy with earlier
+messages, and this one waits for the oldest answer together with whatever
+else the client dispatches meanwhile; all of them then go as one
+``submit_batch``. A client dispatching faster than a scheduler absorbs pays
+one actor call per batch instead of one per message, and so does the
+scheduler, which every client of the island shares.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future, wait
+from typing import Any
+
+from ray.exceptions import RayActorError
+
+log = logging.getLogger(__name__)
+
+
+class Outbox:
+    """The messages to one island's scheduler; at most ``unanswered`` sent and not answered at a time."""
+
+    def __init__(self, scheduler: Any, wake: threading.Event, unanswered: int) -> None:
+        self._scheduler = scheduler
+        self._wake = wake
+        self._unanswered = unanswered
+        self._lock = threading.Lock()
+        self._held: list[tuple[bytes, list | None]] = []
+        self._answers: deque[Future] = deque()
+
+    def put(self, payload: bytes, refs: list | None) -> None:
+        with self._lock:
+            self._held.append((payload, refs))
+            self._send()
+
+    def flush(self) -> None:
+        """Send what is held if the scheduler has answered (the sender thread calls this when it does)."""
+        with self._lock:
+            self._send()
+
+    def _send(self) -> None:
+        answers = self._answers
+        while answers and answers[0].done():
+            answers.popleft()
+        if not self._held or len(answers) >= self._unanswered:
+            return
+        held, self._held = self._held, []
+        if len(held) == 1:
+            ref = self._scheduler.submit.remote(*held[0])
+        else:
+            ref = self._scheduler.submit_batch.remote(held)
+        answer = ref.future()
+        answers.append(answer)
+        answer.add_done_callback(self._answered)
+
+    def _answered(self, answer: Future) -> None:
+        """Runs on Ray's thread when the scheduler answers: only wakes the sender thread, never calls Ray."""
+        exc = answer.exception()
+        if exc is not None and not isinstance(exc, RayActorError):  # a dead island is the session's to report
+            log.error("an island scheduler refused a message: %s", exc)  # nobody else would ever see why
+        if self._held:  # put appends before it checks the answer, so a message held now is never missed
+            self._wake.set()
+
+    def drain(self, deadline: float) -> bool:
+        """Send everything held, waiting for answers as needed; False if ``deadline`` (monotonic) passed first."""
+        while True:
+            with self._lock:
+                self._send()
+                if not self._held:
+                    return True
+                answer = self._answers[0]
+            if not wait([answer], timeout=max(0.0, deadline - time.monotonic())).done:
+                return False
+
+
+class Outboxes:
+    """One outbox per island and the thread that sends held messages when no dispatch comes to send them."""
+
+    def __init__(self, schedulers: list[Any], unanswered: int = 2) -> None:
+        self._wake = threading.Event()
+        self._boxes = [Outbox(s, self._wake, unanswered) for s in schedulers]
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="pathways-outbox", daemon=True)
+        self._thread.start()
+
+    def put(self, island: int, payload: bytes, refs: list | None) -> None:
+        self._boxes[island].put(payload, refs)
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()  # an answer after this sets it again; one before it is seen by flush below
+            if self._stopped:
+                return
+            for box in self._boxes:
+                try:
+                    box.flush()
+                except Exception as exc:  # never let the sender die silently
+                    log.warning("sending to an island scheduler failed: %s", exc)
+
+    def close(self, timeout: float, skip: set[int]) -> None:
+        """Send everything still held (except to the islands in ``skip``), then stop the sender thread."""
+        deadline = time.monotonic() + timeout
+        for island, box in enumerate(self._boxes):
+            if island not in skip and not box.drain(deadline):
+                log.warning("island %d's scheduler did not answer within %.0fs; messages to it were dropped",
+                            island, timeout)
+        self._stopped = True
+        self._wake.set()

@@ -99,13 +99,14 @@ def emission_order(per_stage: list[list[tuple[str, int]]], islands: Sequence[int
                    remat: bool = False) -> list[tuple]:
     """The order in which the program body calls stage functions and transfers.
 
-    Lowering gives each island its projection of this order, and an island runs its ops strictly in
-    that order; a transfer is one op that is a send on the source island and a receive on the
-    destination. So the stages' sequences are list-scheduled on a cost model (forward 1, backward 2,
-    or 3 with ``remat``; stages sharing an island take turns) and each transfer is placed right
-    after its producer on the source island, and otherwise as late as possible, so that the receive
-    does not hold up unrelated work on the destination. Items are ("C", stage, kind, micro) and
-    ("T", "x" | "dx", source stage, destination stage, micro).
+    Lowering gives each island its projection of this order, and an island runs one step's ops
+    strictly in that order. Lowering puts a transfer's send right after its producer wherever the
+    transfer appears; its receive goes where the transfer appears. So each transfer is placed right
+    before its consumer: a receive placed earlier would hold up unrelated work on the destination
+    until its data arrived (GPipe's last stage would wait for every forward activation before its
+    second micro-batch). The stages' sequences are list-scheduled on a cost model (forward 1,
+    backward 2, or 3 with ``remat``) so stages sharing an island take turns. Items are
+    ("C", stage, kind, micro) and ("T", "x" | "dx", source stage, destination stage, micro).
     """
     n = len(per_stage)
     island = list(range(n)) if islands is None else list(islands)
@@ -136,10 +137,8 @@ def emission_order(per_stage: list[list[tuple[str, int]]], islands: Sequence[int
     events = [(t, 1, work[0], ("C",) + work) for work, t in start.items()]
     for (s, kind, i), t in start.items():
         dep = _producer(n, s, kind, i)
-        if dep is None:
-            continue
-        later = [u for w, u in start.items() if island[w[0]] == island[dep[0]] and u >= finish[dep]]
-        events.append((min([t] + later), 0, dep[0], ("T", "x" if kind in ("F", "FB") else "dx", dep[0], s, i)))
+        if dep is not None:  # at its consumer's start, sorted just before it
+            events.append((t, 0, s, ("T", "x" if kind in ("F", "FB") else "dx", dep[0], s, i)))
     events.sort(key=lambda e: e[:3])
     return [e[3] for e in events]
 

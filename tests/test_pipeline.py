@@ -169,7 +169,7 @@ def test_the_step_is_one_program_with_transfers_both_ways(slices):
 
 
 @pytest.mark.parametrize("n_stages,n_micro", [(2, 8), (3, 6), (4, 8)])
-def test_emission_order_is_valid_and_sends_follow_producers(n_stages, n_micro):
+def test_emission_order_is_valid_and_receives_precede_consumers(n_stages, n_micro):
     for schedule in pp.SCHEDULES:
         per_stage = pp.stage_order(n_stages, n_micro, schedule)
         order = pp.emission_order(per_stage)
@@ -189,6 +189,11 @@ def test_emission_order_is_valid_and_sends_follow_producers(n_stages, n_micro):
         for s in range(n_stages):  # each stage keeps its schedule's order
             assert [(k, i) for c, st, k, i in (it for it in order if it[0] == "C") if st == s] == per_stage[s]
         assert sum(it[0] == "T" for it in order) == 2 * (n_stages - 1) * n_micro
+        for k, item in enumerate(order):  # a receive comes right before its consumer on the destination
+            if item[0] == "T":
+                _, what, src, dst, i = item
+                consumer = next(it for it in order[k + 1:] if it[0] == "C" and it[1] == dst)
+                assert consumer[3] == i and (consumer[2] == "B") == (what == "dx")
 
 
 def test_1f1b_bounds_live_activations_by_stages_gpipe_by_micro_batches(slices):
@@ -204,8 +209,9 @@ def test_1f1b_bounds_live_activations_by_stages_gpipe_by_micro_batches(slices):
     for m in (4, 8):
         assert max(st.peak_micro_batches for st in peaks["1f1b", m]) <= 2  # <= S, whatever M is
         assert peaks["gpipe", m][0].peak_micro_batches == m  # stage 0 holds every micro-batch
-    # The batch is fixed: GPipe holds the whole batch's activations at any M, 1F1B only S micro-batches.
-    assert peaks["gpipe", 8][0].peak_bytes == peaks["gpipe", 4][0].peak_bytes
+    # The batch is fixed: GPipe holds the whole batch's activations at any M (give or take the one incoming
+    # gradient its first backward reads), 1F1B only S micro-batches.
+    assert abs(peaks["gpipe", 8][0].peak_bytes - peaks["gpipe", 4][0].peak_bytes) <= x.nbytes // 4
     assert peaks["1f1b", 8][0].peak_bytes == peaks["1f1b", 4][0].peak_bytes // 2
 
 

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 HEADER = struct.Struct("<II")  # message bytes, data bytes
+SEND_TIMEOUT_S = 10.0
 _CREDENTIALS = struct.Struct("3i")  # pid, uid, gid of the connecting process
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,7 @@ class Channel:
             link = self._links.get(address)
             if link is None:
                 conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                conn.settimeout(SEND_TIMEOUT_S)  # a peer that stopped reading fails over to Ray
                 conn.connect(address)
                 link = self._links[address] = (conn, threading.Lock())
             return link

@@ -231,6 +231,10 @@ class Lender:
             self._links[key] = known
         return known
 
+    def linked(self, island: int, hosts: Sequence[int]) -> bool:
+        """Whether every one of these peers is known to take frames on the channel."""
+        return all(self._links.get((island, host)) for host in hosts)
+
     def send(self, island: int, host: int, body: dict, arrays: list[np.ndarray], timeout: float) -> bool:
         """Deliver ``body`` (a deliver message without its arrays) and ``arrays`` to a peer host; returns
         whether the shards were lent."""

@@ -312,7 +312,11 @@ class Executor:
         entries = self._entries(run, [op["in"]])
         if entries is None:
             return False
-        self._sender.submit(self._deliver_all, entries[0].value, run.rid(op["key"]), op["island"], routes)
+        args = (entries[0].value, run.rid(op["key"]), op["island"], routes)
+        if self.lender.linked(op["island"], [r["to"] for r in routes]):
+            self._deliver_all(*args)  # a frame on a socket: cheaper than a hand-off to the sender threads
+        else:
+            self._sender.submit(self._deliver_all, *args)
         return True
 
     def _deliver_all(self, value: Any, key: int, island: int, routes: list[dict]) -> None:

@@ -105,8 +105,14 @@ def owned_shards(shape: Sequence[int], slice_desc: dict, spec: P) -> dict[Index,
     return owners
 
 
+def intersection(a: Index, b: Index) -> Index | None:
+    """The region two regions share, or None when they do not overlap."""
+    out = tuple((max(s0, t0), min(s1, t1)) for (s0, s1), (t0, t1) in zip(a, b))
+    return None if any(lo >= hi for lo, hi in out) else out
+
+
 def overlaps(a: Index, b: Index) -> bool:
-    return all(max(s0, t0) < min(s1, t1) for (s0, s1), (t0, t1) in zip(a, b))
+    return intersection(a, b) is not None
 
 
 def plan_transfer(shape: Sequence[int], src: dict, src_spec: P, dst: dict, dst_spec: P

@@ -18,6 +18,7 @@ import logging
 import os
 import socket
 import struct
+import sys
 import threading
 from collections.abc import Callable, Sequence
 
@@ -115,7 +116,7 @@ class Channel:
 
 def open_channel(name: str, handle: Callable[[bytes, memoryview], None]) -> Channel | None:
     """This host's channel, or None where abstract Unix sockets do not exist (not Linux)."""
-    if not hasattr(socket, "AF_UNIX") or not os.uname().sysname == "Linux":
+    if not sys.platform.startswith("linux"):
         return None
     try:
         return Channel(name, handle)

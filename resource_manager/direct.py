@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from pathways import wire
-from pathways.sharding import Index
+from pathways.sharding import Index, intersection
 from resource_manager.channel import Channel
 
 MIN_BYTES = 100 * 1024  # below this Ray sends the bytes inline with the message, which is cheaper
@@ -89,14 +89,14 @@ def runs(have: Index, want: Index, itemsize: int) -> tuple[np.ndarray, np.ndarra
     Returns (offsets in ``have``, offsets in ``want``, run length), or None when they do not overlap.
     Trailing dimensions both regions hold whole merge into longer runs.
     """
-    lo = [max(a, c) for (a, _), (c, _) in zip(have, want)]
-    hi = [min(b, d) for (_, b), (_, d) in zip(have, want)]
-    if any(x >= y for x, y in zip(lo, hi)):
+    shared = intersection(have, want)
+    if shared is None:
         return None
     ndim = len(have)
     if ndim == 0:
         return np.zeros(1, np.int64), np.zeros(1, np.int64), itemsize
-    box = [y - x for x, y in zip(lo, hi)]
+    lo = [x for x, _ in shared]
+    box = [y - x for x, y in shared]
     src_shape = [b - a for a, b in have]
     dst_shape = [b - a for a, b in want]
     last = ndim - 1
@@ -193,8 +193,8 @@ def can_read(pid: int, addr: int, expected: bytes) -> bool:
     return out.tobytes() == expected
 
 
-class Lender:
-    """The sender's side: how shards reach a peer host, and the shards lent to peers on this node.
+class Peers:
+    """How this host's shards reach peer hosts, and the shards it lent to peers on this node.
 
     A peer on this node that passed the probe gets frames on the channel: small shards inside the frame,
     large ones lent (kept alive here until their lease comes back). Other peers get Ray actor calls with

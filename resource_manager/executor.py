@@ -25,7 +25,7 @@ from pathways.sharding import dtype_from_wire, index_from_wire, spec_from_wire
 from resource_manager.buffer_pool import BufferPool
 from resource_manager.buffers import BufferTable, Failure
 from resource_manager.devices import LocalDevices
-from resource_manager.direct import Lender, Lent
+from resource_manager.direct import Lent, Peers
 from resource_manager.executables import ExecutableCache
 from resource_manager.transfer import assemble, local_pieces
 
@@ -80,14 +80,13 @@ class Mailbox:
 
 class Executor:
     def __init__(self, island: int, host: int, devices: LocalDevices, table: BufferTable,
-                 exes: ExecutableCache, cond: threading.Condition, peer: Callable[[int, int], Any],
+                 exes: ExecutableCache, cond: threading.Condition,
                  scheduler: Callable[[], Any], strict: bool, op_timeout: float, events: EventLog,
-                 lender: Lender, pool: BufferPool) -> None:
+                 peers: Peers, pool: BufferPool) -> None:
         self.island, self.host = island, host
         self.devices, self.table, self.exes, self.cond = devices, table, exes, cond
-        self._peer = peer
         self._scheduler = scheduler
-        self.lender = lender
+        self.peers = peers
         self.pool = pool
         self.events = events
         self.bytes_out = 0
@@ -313,7 +312,7 @@ class Executor:
         if entries is None:
             return False
         args = (entries[0].value, run.rid(op["key"]), op["island"], routes)
-        if self.lender.linked(op["island"], [r["to"] for r in routes]):
+        if self.peers.linked(op["island"], [r["to"] for r in routes]):
             self._deliver_all(*args)  # a frame on a socket: cheaper than a hand-off to the sender threads
         else:
             self._sender.submit(self._deliver_all, *args)
@@ -324,12 +323,12 @@ class Executor:
         for route in routes:
             if pieces is None:
                 body = {"key": key, "src": self.island, "shards": [], "failure": [value.kind, value.message]}
-                self.lender.send(island, route["to"], body, [], self.op_timeout)
+                self.peers.send(island, route["to"], body, [], self.op_timeout)
                 continue
             start = time.time()
             datas = [np.asarray(pieces[index_from_wire(s)]) for s in route["shards"]]
             body = {"key": key, "src": self.island, "shards": route["shards"]}
-            direct = self.lender.send(island, route["to"], body, datas, self.op_timeout)
+            direct = self.peers.send(island, route["to"], body, datas, self.op_timeout)
             nbytes = sum(d.nbytes for d in datas)
             self.bytes_out += nbytes
             self.events.span("send shards", "send", start, time.time(), bytes=nbytes, dst_island=island,
@@ -350,7 +349,7 @@ class Executor:
         """Hand lent pieces back to their senders, copied or not: they may let go of them now."""
         lent = [piece for piece in box.pieces.values() if isinstance(piece, Lent)]
         if lent:
-            self.lender.give_back(lent)
+            self.peers.give_back(lent)
 
     def _recv(self, run: Run, op: dict) -> bool:
         expect = dict(map(tuple, op["expect"])).get(self.host)
@@ -403,7 +402,7 @@ class Executor:
         return True
 
     def island_failed(self, island: int) -> None:
-        self.lender.drop_island(island)
+        self.peers.drop_island(island)
         with self.cond:
             self.failed_islands.add(island)
             self.touch()
@@ -412,4 +411,4 @@ class Executor:
         return {"queue_depth": len(self.runs), "completed": self.completed, "ops": self.ops_run,
                 "busy_s": self.busy_s, "mailbox": len(self.mailbox), "bytes_in": self.bytes_in,
                 "bytes_out": self.bytes_out, "bytes_in_direct": self.bytes_in_direct,
-                "lent_bytes": self.lender.lent_bytes}
+                "lent_bytes": self.peers.lent_bytes}

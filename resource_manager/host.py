@@ -62,7 +62,7 @@ class Host:
         from resource_manager.buffer_pool import BufferPool
         from resource_manager.channel import open_channel
         from resource_manager.devices import LocalDevices
-        from resource_manager.direct import Lender, allow_peer_reads
+        from resource_manager.direct import Peers, allow_peer_reads
         from resource_manager.executor import Executor
 
         self.devices = LocalDevices(self.index)
@@ -71,10 +71,10 @@ class Host:
         allow_peer_reads()
         self.channel = open_channel(f"pathways/{self.namespace}/{self.island}.{self.index}/{os.getpid()}",
                                     self._on_frame)
-        lender = Lender(self.node, self.index, self._peer, self.channel)
+        peers = Peers(self.node, self.index, self._peer, self.channel)
         self.executor = Executor(self.island, self.index, self.devices, self.table, self.exes, self._cond,
-                                 self._peer, self._scheduler, strict=self.n_hosts > 1, op_timeout=self.op_timeout,
-                                 events=self.events, lender=lender, pool=self.pool)
+                                 self._scheduler, strict=self.n_hosts > 1, op_timeout=self.op_timeout,
+                                 events=self.events, peers=peers, pool=self.pool)
         from resource_manager.metrics import HostMetrics
 
         self.metrics = HostMetrics(self.island, self.index, self.stats)
@@ -175,7 +175,7 @@ class Host:
         """A frame from a host on this node: shards lent or carried in ``data``, or leases coming back."""
         msg = wire.decode(meta, "deliver", "returned")
         if msg["kind"] == "returned":
-            self.executor.lender.release(msg["leases"])
+            self.executor.peers.release(msg["leases"])
             return
         pieces: tuple = ()
         if msg.get("dtype") is not None:  # small shards, back to back in the frame
@@ -216,7 +216,7 @@ class Host:
 
     def release_lent(self, leases: list[int]) -> None:
         """A receiver has copied these leases' shards: let go of them."""
-        self.executor.lender.release(leases)
+        self.executor.peers.release(leases)
 
     def fetch(self, payload: bytes) -> Any:
         """A buffer's value as numpy (or this host's shards of it); waits at most the given timeout."""

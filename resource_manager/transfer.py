@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from pathways.sharding import Index
+from pathways.sharding import Index, intersection
 from resource_manager.buffer_pool import aligned_empty
 from resource_manager.direct import Lent, copy_into
 
@@ -52,19 +52,18 @@ def region(pieces: dict[Index, np.ndarray | Lent], want: Index, dtype: np.dtype,
     out = alloc([b - a for a, b in want], dtype)
     filled = 0
     for have, data in pieces.items():
-        lo = [max(a, c) for (a, _), (c, _) in zip(have, want)]
-        hi = [min(b, d) for (_, b), (_, d) in zip(have, want)]
-        if any(x >= y for x, y in zip(lo, hi)):
+        shared = intersection(have, want)
+        if shared is None:
             continue
         if isinstance(data, Lent):
             if lent is None:
                 raise ValueError(f"region {want} overlaps a lent piece but no list collects the copies")
             lent.append((data, out, want))
         else:
-            src = tuple(slice(x - a, y - a) for x, y, (a, _) in zip(lo, hi, have))
-            dst = tuple(slice(x - c, y - c) for x, y, (c, _) in zip(lo, hi, want))
+            src = tuple(slice(x - a, y - a) for (x, y), (a, _) in zip(shared, have))
+            dst = tuple(slice(x - c, y - c) for (x, y), (c, _) in zip(shared, want))
             out[dst] = data[src]
-        filled += int(np.prod([y - x for x, y in zip(lo, hi)]))
+        filled += int(np.prod([y - x for x, y in shared]))
     if filled < out.size:
         raise ValueError(f"received pieces cover {filled} of the {out.size} elements of region {want}")
     return out

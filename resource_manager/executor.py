@@ -391,13 +391,13 @@ class Executor:
             return True
         value = op["value"]
         spec = spec_from_wire(op["spec"])
-        sharding = self.devices.sharding(desc, spec)
         if isinstance(value, dict):  # this host's shards of a scattered put
-            shape = op["aval"]["shape"]
-            array = assemble(shape, dtype_from_wire(op["aval"]["dtype"]), sharding,
-                             self.devices.wanted(desc, shape, spec), value)
+            shape, dtype, pieces = op["aval"]["shape"], dtype_from_wire(op["aval"]["dtype"]), value
         else:
-            array = jax.device_put(value, sharding)
+            shape, dtype = value.shape, value.dtype
+            pieces = {tuple((0, n) for n in shape): value}
+        array = assemble(shape, dtype, self.devices.sharding(desc, spec), self.devices.wanted(desc, shape, spec),
+                         pieces, self.pool.take)
         self.table.put(op["id"], run.tenant, array)
         return True
 

@@ -86,9 +86,9 @@ def fair_share(session, seconds: float, startup: float) -> dict:
     end_at = start_at + seconds
     procs = [spawn(t, w, 256, 64, [[start_at, end_at]]) for t, w in WEIGHTS.items()]
     time.sleep(max(0.0, start_at - time.time()) + seconds * 0.2)
-    before = ray.get(scheduler.stats.remote())["tenant_time_s"]
+    before = ray.get(scheduler.schedule_stats.remote())["tenant_time_s"]
     time.sleep(seconds * 0.6)
-    after = ray.get(scheduler.stats.remote())["tenant_time_s"]
+    after = ray.get(scheduler.schedule_stats.remote())["tenant_time_s"]
     collect(procs)
     used = {t: after.get(t, 0.0) - before.get(t, 0.0) for t in WEIGHTS}
     total, weight_sum = sum(used.values()), sum(WEIGHTS.values())

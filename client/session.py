@@ -25,7 +25,7 @@ from client.outbox import Outboxes
 from pathways import wire
 from pathways.errors import IslandFailedError, PathwaysError, ResourceError, from_wire
 from pathways.events import EventLog
-from pathways.names import CLIENT_ID_BITS, FETCH_TIMED_OUT, NAMESPACE, RESOURCE_MANAGER, host_name, scheduler_name
+from pathways.names import CLIENT_ID_BITS, FETCH_TIMED_OUT, NAMESPACE, RESOURCE_MANAGER, host_name
 from pathways.topology import Topology
 
 
@@ -42,7 +42,7 @@ class Timeouts:
 @dataclass
 class IslandClient:
     index: int
-    scheduler: Any
+    scheduler: Any  # host 0, which holds the island's scheduler
     hosts: list[Any]
 
 
@@ -62,13 +62,11 @@ class Session:
                            self.lease)
         self.client_id: int = reg["client"]
         self.topology = Topology.from_wire(reg["topology"])
-        self.islands = [
-            IslandClient(i, ray.get_actor(scheduler_name(i), namespace=NAMESPACE),
-                         [ray.get_actor(host_name(i, h), namespace=NAMESPACE)
-                          for h in range(self.topology.hosts_per_island)])
-            for i in range(self.topology.islands)]
+        hosts = [[ray.get_actor(host_name(i, h), namespace=NAMESPACE) for h in range(self.topology.hosts_per_island)]
+                 for i in range(self.topology.islands)]
+        self.islands = [IslandClient(i, hs[0], hs) for i, hs in enumerate(hosts)]
         # The first call to an actor resolves its handle (~0.5 s); pay that now, not on the first put.
-        ray.get([i.scheduler.stats.remote() for i in self.islands], timeout=timeouts.start)
+        ray.get([i.scheduler.ping.remote() for i in self.islands], timeout=timeouts.start)
         self._counter = itertools.count(1)
         self._id_lock = threading.Lock()
         self.sent_exes: list[set[str]] = [set() for _ in self.islands]

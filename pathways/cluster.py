@@ -114,7 +114,7 @@ def status(timeout: float = 10.0) -> ClusterStatus:
     islands = []
     for isl, client in zip(state["islands"], session.islands):
         refs = [h.stats.remote() for h in client.hosts]
-        sched_ref = client.scheduler.stats.remote()
+        sched_ref = client.scheduler.schedule_stats.remote()
         ready, _ = ray.wait(refs + [sched_ref], num_returns=len(refs) + 1, timeout=timeout)
         try:
             sched = ray.get(sched_ref) if sched_ref in ready else {}

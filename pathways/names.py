@@ -9,6 +9,4 @@ def host_name(island: int, host: int) -> str:
     return f"island-{island}-host-{host}"
 
 
-def scheduler_name(island: int) -> str:
-    return f"island-{island}-scheduler"
 FETCH_TIMED_OUT = "pathways:fetch-timed-out"  # a host's answer when a fetch outlives its timeout

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +26,7 @@ from resource_manager.buffers import BufferTable, Failure
 from resource_manager.devices import LocalDevices
 from resource_manager.direct import Lent, Peers
 from resource_manager.executables import ExecutableCache
+from resource_manager.scheduler import Scheduler
 from resource_manager.transfer import assemble, local_pieces
 
 READS = {"exec": "in", "send": "in", "reshard": "in"}
@@ -81,11 +81,11 @@ class Mailbox:
 class Executor:
     def __init__(self, island: int, host: int, devices: LocalDevices, table: BufferTable,
                  exes: ExecutableCache, cond: threading.Condition,
-                 scheduler: Callable[[], Any], strict: bool, op_timeout: float, events: EventLog,
+                 scheduler: Scheduler | None, strict: bool, op_timeout: float, events: EventLog,
                  peers: Peers, pool: BufferPool) -> None:
         self.island, self.host = island, host
         self.devices, self.table, self.exes, self.cond = devices, table, exes, cond
-        self._scheduler = scheduler
+        self.scheduler = scheduler  # the island's, on host 0 (which reports for the island); None elsewhere
         self.peers = peers
         self.pool = pool
         self.events = events
@@ -158,17 +158,16 @@ class Executor:
                     self.cond.wait(timeout=self._next_deadline())
 
     def _report(self) -> None:
-        """Tell the island scheduler (host 0 speaks for the island) what finished or is blocked."""
-        if self.host != 0 or not (self._done or self._blocked):
+        """Tell the island's scheduler (host 0 speaks for the island) what finished or is blocked."""
+        if self.scheduler is None or not (self._done or self._blocked):
             self._done, self._blocked = [], []
             return
-        scheduler = self._scheduler()
         if self._blocked:
-            scheduler.blocked.remote(self._blocked)
-            self._blocked = []
+            blocked, self._blocked = self._blocked, []
+            self.scheduler.blocked(blocked)
         if self._done:
-            scheduler.completed.remote(self._done)
-            self._done = []
+            done, self._done = self._done, []
+            self.scheduler.completed(done)
 
     def _next_deadline(self) -> float:
         waits = [r.waiting_since for r in self.runs if r.waiting_since is not None]

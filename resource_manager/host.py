@@ -3,14 +3,20 @@
 Its devices are fixed by the actor's ``runtime_env`` before JAX is imported.
 It admits fragments in the island scheduler's sequence order, runs them, sends
 shards straight to other islands' hosts, and serves fetches with a timeout.
+Host 0 also holds the island's scheduler and serves its methods (clients'
+messages, the resource manager's grants) on a thread of their own, the
+``schedule`` concurrency group, so they keep their order and never wait
+behind fetches.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -19,10 +25,16 @@ import ray
 from pathways import wire
 from pathways.errors import WireFormatError, from_wire
 from pathways.events import EventLog
-from pathways.names import CLIENT_ID_BITS, FETCH_TIMED_OUT, host_name, scheduler_name
+from pathways.names import CLIENT_ID_BITS, FETCH_TIMED_OUT, host_name
 from pathways.sharding import dtype_from_wire, index_from_wire
 from resource_manager.buffers import BufferTable, Failure
 from resource_manager.executables import ExecutableCache
+from resource_manager.scheduler import Scheduler
+
+SCHEDULE = "schedule"  # the concurrency group of the scheduler's methods: one thread, in arrival order
+
+
+log = logging.getLogger(__name__)
 
 
 class Host:
@@ -35,7 +47,8 @@ class Host:
         self._next_seq = 0
         self._templates = wire.TemplateCache()
         self._peers: dict[tuple[int, int], Any] = {}
-        self._scheduler_handle: Any = None
+        self.scheduler = Scheduler(island, self._forward) if index == 0 else None
+        self._admitter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="admit")
         self.table = BufferTable(self._cond)
         self.exes = ExecutableCache()
         self.events = EventLog()
@@ -73,7 +86,7 @@ class Host:
                                     self._on_frame)
         peers = Peers(self.node, self.index, self._peer, self.channel)
         self.executor = Executor(self.island, self.index, self.devices, self.table, self.exes, self._cond,
-                                 self._scheduler, strict=self.n_hosts > 1, op_timeout=self.op_timeout,
+                                 self.scheduler, strict=self.n_hosts > 1, op_timeout=self.op_timeout,
                                  events=self.events, peers=peers, pool=self.pool)
         from resource_manager.metrics import HostMetrics
 
@@ -82,17 +95,60 @@ class Host:
                 "ip": ray.util.get_node_ip_address(),
                 "node": self.node, "devices": self.devices.describe()}
 
-    def _scheduler(self) -> Any:
-        if self._scheduler_handle is None:
-            self._scheduler_handle = ray.get_actor(scheduler_name(self.island), namespace=self.namespace)
-        return self._scheduler_handle
-
     def _peer(self, island: int, host: int) -> Any:
         handle = self._peers.get((island, host))
         if handle is None:
             handle = ray.get_actor(host_name(island, host), namespace=self.namespace)
             self._peers[(island, host)] = handle
         return handle
+
+    # -- the island's scheduler (host 0) -----------------------------------------------------------
+    @ray.method(concurrency_group=SCHEDULE)
+    def submit(self, payload: bytes, refs: list | None = None) -> None:
+        self.scheduler.submit(payload, refs)
+
+    @ray.method(concurrency_group=SCHEDULE)
+    def submit_batch(self, items: list) -> None:
+        self.scheduler.submit_batch(items)
+
+    @ray.method(concurrency_group=SCHEDULE)
+    def grant(self, key: str, tenant: str, desc: dict) -> None:
+        self.scheduler.grant(key, tenant, desc)
+
+    @ray.method(concurrency_group=SCHEDULE)
+    def revoke(self, keys: list[str]) -> None:
+        self.scheduler.revoke(keys)
+
+    @ray.method(concurrency_group=SCHEDULE)
+    def grant_client(self, client: int, tenant: str) -> None:
+        self.scheduler.grant_client(client, tenant)
+
+    @ray.method(concurrency_group=SCHEDULE)
+    def revoke_client(self, client: int) -> None:
+        self.scheduler.revoke_client(client)
+
+    @ray.method(concurrency_group=SCHEDULE)
+    def set_weight(self, tenant: str, weight: float) -> None:
+        self.scheduler.set_weight(tenant, weight)
+
+    def schedule_stats(self) -> dict:
+        return self.scheduler.stats()
+
+    def _forward(self, batch: list) -> None:
+        """The scheduler's batch to every host: this one's without an actor call. A batch carrying puts
+        waits for their values on another thread, so neither the scheduler nor the executor blocks."""
+        for h in range(1, self.n_hosts):
+            self._peer(self.island, h).enqueue_batch.remote(batch)
+        if any(refs for _, _, refs, _ in batch):
+            self._admitter.submit(self._enqueue_logged, batch)
+        else:
+            self._enqueue_logged(batch)
+
+    def _enqueue_logged(self, batch: list) -> None:
+        try:
+            self.enqueue_batch(batch)
+        except Exception:  # the caller is the scheduler, not the client: say why the batch was not admitted
+            log.exception("island %d: admitting a batch failed", self.island)
 
     # -- the island scheduler's ordered stream ----------------------------------------------------
     def enqueue(self, seq: int, payload: bytes, refs: list | None = None, refusal: list | None = None) -> None:

@@ -1,11 +1,11 @@
-"""An island: its host actors (one per host, devices set before JAX loads) and its scheduler.
+"""An island: its host actors (one per host, devices set before JAX loads), host 0 holding its scheduler.
 
 Each island's hosts go into the island's placement group
 (``resource_manager.nodes``): an island's hosts share a node, and islands
-spread over the cluster's nodes unless the topology pins them. The
-schedulers stay on the resource manager's node, with the rest of the control
-plane: losing an island's node then loses only that island, and the
-resource manager can still reach every scheduler it must tell about clients.
+spread over the cluster's nodes unless the topology pins them. The scheduler
+lives in host 0 (``resource_manager.host``): a message reaches the executor
+of a one-host island in one actor call, and losing an island's node loses
+its scheduler only with the island it schedules.
 """
 
 from __future__ import annotations
@@ -15,19 +15,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from pathways.names import host_name, scheduler_name
+from pathways.names import host_name
 from pathways.topology import Topology
-from resource_manager.host import Host
+from resource_manager.host import SCHEDULE, Host
 from resource_manager.nodes import IslandPlacement, alive_nodes, reserve, user_labels
-from resource_manager.scheduler import Scheduler
 
 
 @dataclass
 class Island:
     index: int
-    scheduler: Any
+    scheduler: Any  # host 0's handle, which serves the scheduler's methods
     hosts: list[Any]
     host_info: list[dict]
     placement: IslandPlacement
@@ -54,11 +52,11 @@ def host_runtime_env(topology: Topology) -> dict:
 
 def start_islands(topology: Topology, namespace: str, op_timeout: float, start_timeout: float) -> list[Island]:
     """Reserve every island's node, start all hosts in parallel (each island a jax.distributed group when
-    it has several hosts), then one scheduler per island on this (the resource manager's) node."""
+    it has several hosts); host 0 of each island holds its scheduler."""
     placements = reserve(topology, start_timeout)
     n = topology.hosts_per_island
     gpus = topology.devices_per_host if topology.platform == "gpu" else 0
-    actor = ray.remote(Host)
+    actor = ray.remote(concurrency_groups={SCHEDULE: 1})(Host)
     options = {"num_cpus": 0, "num_gpus": gpus, "max_concurrency": 64, "namespace": namespace,
                "runtime_env": host_runtime_env(topology)}
     hosts = [[actor.options(name=host_name(p.island, h), scheduling_strategy=p.strategy_for(h), **options)
@@ -68,13 +66,9 @@ def start_islands(topology: Topology, namespace: str, op_timeout: float, start_t
     starts = [[h.start.remote(c) for h in hs] for hs, c in zip(hosts, coordinators)]
     infos = [ray.get(s, timeout=start_timeout) for s in starts]
     nodes = alive_nodes()
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     islands = []
     for p, hs, info in zip(placements, hosts, infos):
         for host in info:
             host["node_labels"] = user_labels(host["node"], nodes)
-        scheduler = ray.remote(Scheduler).options(name=scheduler_name(p.island), namespace=namespace, num_cpus=0,
-                                                  scheduling_strategy=here).remote(p.island, hs)
-        islands.append(Island(p.island, scheduler, hs, info, p))
-    ray.get([isl.scheduler.warm.remote() for isl in islands], timeout=start_timeout)
+        islands.append(Island(p.island, hs[0], hs, info, p))
     return islands

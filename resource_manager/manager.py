@@ -63,7 +63,15 @@ class ResourceManager:
         threading.Thread(target=self._watch_leases, name="lease-watch", daemon=True).start()
 
     def _schedulers(self, method: str, *args: Any) -> None:
-        ray.get([getattr(i.scheduler, method).remote(*args) for i in self.islands], timeout=PING_TIMEOUT * 5)
+        """Tell every healthy island's scheduler (in its host 0); an island dying meanwhile is the health
+        check's to report, not a reason to refuse the client."""
+        refs = [getattr(i.scheduler, method).remote(*args) for i in self.islands
+                if i.index not in self.inventory.unhealthy]
+        for ref in refs:
+            try:
+                ray.get(ref, timeout=PING_TIMEOUT * 5)
+            except Exception as exc:
+                log.warning("an island's scheduler did not take %s: %s", method, exc)
 
     @reply
     def ready(self, payload: bytes) -> dict:

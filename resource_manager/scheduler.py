@@ -1,7 +1,10 @@
 """An island's scheduler: one total order over every client's fragments, handed to every host.
 
-It is a plain (single-threaded) Ray actor, so messages from one client keep
-their order. Each message is validated and checked against the slices its
+It lives in the island's host 0 (``resource_manager.host``), which serves its
+methods on one thread of their own, so messages from one client keep their
+order, and hands its own share of each batch to its executor without an actor
+call: a fragment on a one-host island costs the client's call and nothing
+more. Each message is validated and checked against the slices its
 tenant owns, then queued per tenant. Up to ``window`` fragments, and about
 ``window_s`` seconds of estimated island time, are in flight on the island;
 the next one comes from the tenant with the lowest *pass* (stride scheduling:
@@ -20,9 +23,10 @@ fragment's trip.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
-from typing import Any
+from collections.abc import Callable
 
 from pathways import wire
 from pathways.errors import TenantAccessError, WireFormatError, to_wire
@@ -33,10 +37,17 @@ RECENT_S = 10.0  # the window of the "recent" share that status shows while jobs
 
 
 class Scheduler:
-    def __init__(self, island: int, hosts: list[Any], window: int = 64, window_s: float = 0.05,
+    """``forward(batch)`` hands a batch of ``(seq, payload, refs, refusal)`` to every host of the island.
+
+    Thread-safe: clients' messages and the executor's reports arrive on different threads; batches are
+    forwarded outside the lock, and hosts admit by sequence number whatever order they arrive in.
+    """
+
+    def __init__(self, island: int, forward: Callable[[list], None], window: int = 64, window_s: float = 0.05,
                  eager: int = 8) -> None:
         self.island = island
-        self._hosts = hosts
+        self._forward = forward
+        self._lock = threading.Lock()
         self.window, self.window_s, self.eager = window, window_s, eager
         self._inflight_s = 0.0  # the estimates of the fragments in flight
         self._received = [0, 0]  # submit calls, messages in them: how well clients coalesce
@@ -56,20 +67,25 @@ class Scheduler:
 
     # -- ownership and weights (set by the resource manager) ------------------------------------
     def grant(self, key: str, tenant: str, desc: dict) -> None:
-        self._grants[key] = (tenant, desc)
+        with self._lock:
+            self._grants[key] = (tenant, desc)
 
     def grant_client(self, client: int, tenant: str) -> None:
-        self._clients[client] = tenant
+        with self._lock:
+            self._clients[client] = tenant
 
     def revoke_client(self, client: int) -> None:
-        self._clients.pop(client, None)
+        with self._lock:
+            self._clients.pop(client, None)
 
     def revoke(self, keys: list[str]) -> None:
-        for key in keys:
-            self._grants.pop(key, None)
+        with self._lock:
+            for key in keys:
+                self._grants.pop(key, None)
 
     def set_weight(self, tenant: str, weight: float) -> None:
-        self._weights[tenant] = max(float(weight), 1e-6)
+        with self._lock:
+            self._weights[tenant] = max(float(weight), 1e-6)
 
     # -- the ordered stream ---------------------------------------------------------------------
     def submit(self, payload: bytes, refs: list | None = None) -> None:
@@ -80,16 +96,19 @@ class Scheduler:
         """Queue several ``(payload, refs)`` messages of one client, in order (its session coalesces what it
         dispatches while this actor is busy); forward them now only while fewer than ``eager`` fragments are
         in flight. A malformed message raises after the others are queued."""
-        self._received[0] += 1
-        self._received[1] += len(items)
-        error = None
-        for payload, refs in items:
-            try:
-                self._queue(payload, refs)
-            except WireFormatError as exc:
-                error = error or exc
-        if len(self._inflight) < self.eager:
-            self._pump()
+        error, released = None, []
+        with self._lock:
+            self._received[0] += 1
+            self._received[1] += len(items)
+            for payload, refs in items:
+                try:
+                    self._queue(payload, refs)
+                except WireFormatError as exc:
+                    error = error or exc
+            if len(self._inflight) < self.eager:
+                released = self._release()
+        if released:
+            self._forward(released)
         if error is not None:
             raise error
 
@@ -129,9 +148,9 @@ class Scheduler:
                 return list(to_wire(exc))
         return None
 
-    def _pump(self) -> None:
-        """Release what the window allows, in pass order, as one batch per host: a backlogged island pays
-        one actor call per batch instead of one per message."""
+    def _release(self) -> list:
+        """What the window allows, in pass order, as one batch for every host (forwarded by the caller,
+        outside the lock): a backlogged island pays one actor call per batch instead of one per message."""
         released = []
         while len(self._inflight) < self.window and (not self._inflight or self._inflight_s < self.window_s):
             ready = [t for t, q in self._queues.items() if q]
@@ -148,31 +167,35 @@ class Scheduler:
                 self._inflight[seq] = (tenant, estimate)
                 self._inflight_s += estimate
                 self._fragments[tenant] = self._fragments.get(tenant, 0) + 1
-        if released:
-            for host in self._hosts:
-                host.enqueue_batch.remote(released)
+        return released
 
     def completed(self, reports: list[list]) -> None:
-        """Hosts report (seq, island seconds) for finished fragments; charge them to their tenants."""
-        for seq, busy in reports:
-            entry = self._leave_window(seq) or self._blocked.pop(seq, None)
-            if entry is None:
-                continue
-            tenant, estimate = entry
-            self._time[tenant] = self._time.get(tenant, 0.0) + busy
-            self._recent.append((time.monotonic(), tenant, busy))
-            self._pass[tenant] += (busy - estimate) / self._weights.get(tenant, 1.0)
-            self._estimate[tenant] = 0.8 * self._estimate.get(tenant, busy) + 0.2 * busy
-        self._pump()
+        """Host 0 reports (seq, island seconds) for finished fragments; charge them to their tenants."""
+        with self._lock:
+            for seq, busy in reports:
+                entry = self._leave_window(seq) or self._blocked.pop(seq, None)
+                if entry is None:
+                    continue
+                tenant, estimate = entry
+                self._time[tenant] = self._time.get(tenant, 0.0) + busy
+                self._recent.append((time.monotonic(), tenant, busy))
+                self._pass[tenant] += (busy - estimate) / self._weights.get(tenant, 1.0)
+                self._estimate[tenant] = 0.8 * self._estimate.get(tenant, busy) + 0.2 * busy
+            released = self._release()
+        if released:
+            self._forward(released)
 
     def blocked(self, seqs: list[int]) -> None:
         """Fragments waiting on another island's transfer leave the window, so islands never wait on
         each other's windows (which could deadlock two islands exchanging data)."""
-        for seq in seqs:
-            entry = self._leave_window(seq)
-            if entry is not None:
-                self._blocked[seq] = entry
-        self._pump()
+        with self._lock:
+            for seq in seqs:
+                entry = self._leave_window(seq)
+                if entry is not None:
+                    self._blocked[seq] = entry
+            released = self._release()
+        if released:
+            self._forward(released)
 
     def _leave_window(self, seq: int) -> tuple[str, float] | None:
         entry = self._inflight.pop(seq, None)
@@ -180,13 +203,11 @@ class Scheduler:
             self._inflight_s = self._inflight_s - entry[1] if self._inflight else 0.0
         return entry
 
-    def warm(self) -> None:
-        """Resolve the host handles once, so the first real message is not delayed."""
-        import ray
-
-        ray.get([h.ping.remote() for h in self._hosts])
-
     def stats(self) -> dict:
+        with self._lock:
+            return self._stats()
+
+    def _stats(self) -> dict:
         horizon = time.monotonic() - RECENT_S
         while self._recent and self._recent[0][0] < horizon:
             self._recent.popleft()

@@ -10,6 +10,12 @@ it is not used. The two islands share this node, so the receiving host copies th
 the sender (``resource_manager/direct.py``) into its pool of landing buffers; the first moves land in fresh
 memory (page faults) and are reported as "cold", then 1 GiB moves untimed before the timed runs.
 
+That time includes the latency of a program on two islands (two dispatches, the send's frame, the
+receiver's wake-up: the 1 KiB row), which a transfer pays once however large it is. The *streamed* column
+is bandwidth as MPI benchmarks (osu_bw) measure it: ``STREAM_BYTES`` worth of moves (8 at 64 MiB, 2 at
+256 MiB) dispatched back to back, timed from the first dispatch until the last probe is ready, nothing
+subtracted; one move's copy then overlaps the next one's dispatch.
+
 Baselines: ``np.copyto`` into a preallocated array of the same size (one core, pages already mapped), and
 plain Ray: actor A returns ``np.asarray`` of its resident jax array, the ObjectRef is handed to actor B,
 which ``jax.device_put``s it (minus the same two calls on a 1 KiB array).
@@ -47,6 +53,7 @@ DEVICES = 4
 CASES = {"P(x)->P(x)": (P("x", None), P("x", None)), "P(x)->P(None,x)": (P("x", None), P(None, "x"))}
 TARGET = 0.5  # of memcpy bandwidth
 WARM_BYTES = 2**30  # moved before timing: fresh landing buffers fault on first touch
+STREAM_BYTES = 512 * MIB  # moved per streamed repetition (landing buffers stay within the hosts' pools)
 TIMEOUT_S = 120.0
 
 
@@ -91,6 +98,16 @@ class Row:
     memcpy_s: list[float] = field(default_factory=list)
     ray_s: list[float] = field(default_factory=list)
     ray_tiny_s: list[float] = field(default_factory=list)
+    stream_s: list[float] = field(default_factory=list)
+
+    @property
+    def streamed(self) -> int:
+        """Moves per streamed repetition."""
+        return max(2, STREAM_BYTES // self.nbytes)
+
+    @property
+    def stream_gbps(self) -> float:
+        return self.gbps(median(self.stream_s) / self.streamed) if self.stream_s else float("nan")
 
     @property
     def transfer_s(self) -> float:
@@ -119,8 +136,11 @@ class Row:
         return {"label": self.label, "bytes": self.nbytes, "case": self.case, "transfer_ms": self.transfer_s * 1e3,
                 "runtime_gbps": self.runtime_gbps, "cold_gbps": self.cold_gbps, "memcpy_gbps": self.memcpy_gbps,
                 "ray_gbps": self.ray_gbps, "runtime_vs_memcpy": ratio(self.runtime_gbps, self.memcpy_gbps),
+                "streamed_moves": self.streamed, "streamed_gbps": self.stream_gbps,
+                "streamed_vs_memcpy": ratio(self.stream_gbps, self.memcpy_gbps),
                 "samples_s": {"cold_move": self.cold_s, "move": self.move_s, "stay": self.stay_s,
-                              "memcpy": self.memcpy_s, "ray": self.ray_s, "ray_tiny": self.ray_tiny_s}}
+                              "memcpy": self.memcpy_s, "ray": self.ray_s, "ray_tiny": self.ray_tiny_s,
+                              "streamed": self.stream_s}}
 
 
 def runtime_times(row: Row, slices: Sequence[pw.VirtualSlice], reps: int) -> None:
@@ -141,6 +161,13 @@ def runtime_times(row: Row, slices: Sequence[pw.VirtualSlice], reps: int) -> Non
     for _ in range(reps):
         row.move_s.append(timed(lambda: move(x).block_until_ready(timeout=TIMEOUT_S)))
         row.stay_s.append(timed(lambda: stay(x).block_until_ready(timeout=TIMEOUT_S)))
+    if row.nbytes >= MIB:
+        def stream() -> None:
+            for probe in [move(x) for _ in range(row.streamed)]:
+                probe.block_until_ready(timeout=TIMEOUT_S)
+
+        stream()
+        row.stream_s = [timed(stream) for _ in range(reps)]
 
 
 def warmups(nbytes: int) -> int:
@@ -212,23 +239,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             s.release()
         pw.shutdown()
 
-    table = Table(["size", "sharding", "transfer", "runtime", "runtime cold", "memcpy", "ray", "runtime/memcpy",
-                   "ray/memcpy", "runtime/ray"])
+    table = Table(["size", "sharding", "transfer", "runtime", "runtime cold", "streamed", "memcpy", "ray",
+                   "runtime/memcpy", "streamed/memcpy", "ray/memcpy", "runtime/ray"])
     for r in rows:
         table.add(r.label, r.case, f"{r.transfer_s * 1e3:.2f} ms", f"{r.runtime_gbps:.2f} GB/s",
-                  f"{r.cold_gbps:.2f} GB/s",
+                  f"{r.cold_gbps:.2f} GB/s", f"{r.stream_gbps:.2f} GB/s" if r.stream_s else "-",
                   f"{r.memcpy_gbps:.2f} GB/s", f"{r.ray_gbps:.2f} GB/s" if r.ray_s else "-",
-                  ratio_text(ratio(r.runtime_gbps, r.memcpy_gbps)), ratio_text(ratio(r.ray_gbps, r.memcpy_gbps)),
+                  ratio_text(ratio(r.runtime_gbps, r.memcpy_gbps)), ratio_text(ratio(r.stream_gbps, r.memcpy_gbps)),
+                  ratio_text(ratio(r.ray_gbps, r.memcpy_gbps)),
                   ratio_text(ratio(r.runtime_gbps, r.ray_gbps)))
     print()
     print(f"Island 0 -> island 1 ({DEVICES} devices each), medians of {reps}; transfer = move - the same probe "
           f"without the move; cold = the first moves, before {WARM_BYTES / 2**30:g} GiB had moved; load average "
           f"{load_at_start[0]:.1f} at start, {os.getloadavg()[0]:.1f} at end on {os.cpu_count()} cores")
     print(table.render())
-    print(f"Target: runtime >= {TARGET:.0%} of memcpy (1 KiB row is latency only):")
+    print(f"Target: runtime >= {TARGET:.0%} of memcpy (1 KiB row is latency only); one transfer at a time, and "
+          "streamed:")
     for r in rows[1:]:
-        share = ratio(r.runtime_gbps, r.memcpy_gbps)
-        print(f"  {r.label} {r.case}: {share:.0%} {'MET' if share >= TARGET else 'NOT met'}")
+        one, streamed = ratio(r.runtime_gbps, r.memcpy_gbps), ratio(r.stream_gbps, r.memcpy_gbps)
+        print(f"  {r.label} {r.case}: one {one:.0%} {'MET' if one >= TARGET else 'NOT met'}, streamed "
+              f"({r.streamed} moves) {streamed:.0%} {'MET' if streamed >= TARGET else 'NOT met'}")
     out = write_json(args.out, {"benchmark": "transfer", "reps": reps, "devices_per_slice": DEVICES,
                                 "load_average_at_start": load_at_start,
                                 "rows": [r.to_json() for r in rows]})

@@ -48,7 +48,8 @@ class Host:
         self._templates = wire.TemplateCache()
         self._peers: dict[tuple[int, int], Any] = {}
         self.scheduler = Scheduler(island, self._forward) if index == 0 else None
-        self._admitter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="admit")
+        # host 0 admits its share of a batch carrying puts here, while their values arrive
+        self._admitter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="admit") if index == 0 else None
         self.table = BufferTable(self._cond)
         self.exes = ExecutableCache()
         self.events = EventLog()

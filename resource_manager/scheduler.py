@@ -94,7 +94,7 @@ class Scheduler:
 
     def submit_batch(self, items: list) -> None:
         """Queue several ``(payload, refs)`` messages of one client, in order (its session coalesces what it
-        dispatches while this actor is busy); forward them now only while fewer than ``eager`` fragments are
+        dispatches while the scheduler is busy); forward them now only while fewer than ``eager`` fragments are
         in flight. A malformed message raises after the others are queued."""
         error, released = None, []
         with self._lock:

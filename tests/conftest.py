@@ -28,11 +28,14 @@ def host_stats(session, island: int, host: int = 0) -> dict:
 
 
 def settle(session, islands=(0, 1), expect=None, timeout: float = 10.0) -> list[int]:
-    """Buffer counts per island once the batched frees have landed (optionally until they equal ``expect``)."""
+    """Buffer counts per island once the batched frees have landed: until they equal ``expect``, or without
+    one, until two readings in a row agree (frees still on their way would make a first reading too high)."""
     deadline = time.monotonic() + timeout
+    last = None
     while True:
         session.frees.flush()
         time.sleep(0.2)
         counts = [host_stats(session, i)["buffers"] for i in islands]
-        if expect is None or counts == list(expect) or time.monotonic() > deadline:
+        if counts == list(expect if expect is not None else last or []) or time.monotonic() > deadline:
             return counts
+        last = counts

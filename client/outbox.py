@@ -8,6 +8,10 @@ else the client dispatches meanwhile; all of them then go as one
 ``submit_batch``. A client dispatching faster than a scheduler absorbs pays
 one actor call per batch instead of one per message, and so does the
 scheduler, which every client of the island shares.
+
+Messages are numbered per island: Ray does not keep the order of calls to a
+threaded actor (the scheduler lives in a host), so the scheduler puts each
+batch back in its place by the number of its first message.
 """
 
 from __future__ import annotations
@@ -27,8 +31,10 @@ log = logging.getLogger(__name__)
 class Outbox:
     """The messages to one island's scheduler; at most ``unanswered`` sent and not answered at a time."""
 
-    def __init__(self, scheduler: Any, wake: threading.Event, unanswered: int) -> None:
+    def __init__(self, scheduler: Any, client: int, wake: threading.Event, unanswered: int) -> None:
         self._scheduler = scheduler
+        self._client = client
+        self._sent = 0  # messages handed to Ray so far: the number of the next one
         self._wake = wake
         self._unanswered = unanswered
         self._lock = threading.Lock()
@@ -52,10 +58,8 @@ class Outbox:
         if not self._held or len(answers) >= self._unanswered:
             return
         held, self._held = self._held, []
-        if len(held) == 1:
-            ref = self._scheduler.submit.remote(*held[0])
-        else:
-            ref = self._scheduler.submit_batch.remote(held)
+        ref = self._scheduler.submit_batch.remote(self._client, self._sent, held)
+        self._sent += len(held)
         answer = ref.future()
         answers.append(answer)
         answer.add_done_callback(self._answered)
@@ -83,9 +87,9 @@ class Outbox:
 class Outboxes:
     """One outbox per island and the thread that sends held messages when no dispatch comes to send them."""
 
-    def __init__(self, schedulers: list[Any], unanswered: int = 2) -> None:
+    def __init__(self, schedulers: list[Any], client: int, unanswered: int = 2) -> None:
         self._wake = threading.Event()
-        self._boxes = [Outbox(s, self._wake, unanswered) for s in schedulers]
+        self._boxes = [Outbox(s, client, self._wake, unanswered) for s in schedulers]
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="pathways-outbox", daemon=True)
         self._thread.start()

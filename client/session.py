@@ -72,7 +72,7 @@ class Session:
         self.sent_exes: list[set[str]] = [set() for _ in self.islands]
         self.dead: dict[int, str] = {}
         self.slices: dict[str, Any] = {}
-        self.outboxes = Outboxes([i.scheduler for i in self.islands])
+        self.outboxes = Outboxes([i.scheduler for i in self.islands], self.client_id)
         self.frees = FreeBatcher(self)
         self.events = EventLog()
         self.closed = False
@@ -115,13 +115,11 @@ class Session:
         """ray.get with a deadline, raising IslandFailedError as soon as an island it depends on dies."""
         timeout = self.timeouts.fetch if timeout is None else timeout
         deadline = time.monotonic() + timeout
-        timed_out = IslandFailedError(f"{what} timed out after {timeout:.1f}s; islands {sorted(islands)} "
-                                      "are alive but did not produce it (overloaded or stuck)")
         pending = list(refs)
         while pending:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise timed_out
+                raise self._timed_out(what, timeout, islands)
             _, pending = ray.wait(pending, num_returns=len(pending), timeout=min(self.timeouts.poll, remaining))
             if pending:
                 self.check_islands(islands)
@@ -138,9 +136,36 @@ class Session:
                 self.check_islands(islands)
                 raise IslandFailedError(f"{what} failed: a host died ({type(exc).__name__})") from None
             if isinstance(value, str) and value == FETCH_TIMED_OUT:
-                raise timed_out
+                raise self._timed_out(what, timeout, islands)
             out.append(value)
         return out
+
+    def _timed_out(self, what: str, timeout: float, islands: frozenset[int]) -> IslandFailedError:
+        """The timeout error, saying where this tenant's unfinished fragments on ``islands`` stopped."""
+        hosts = [host for i in sorted(islands) for host in self.islands[i].hosts]
+        refs = [host.stalled.remote(self.tenant) for host in hosts]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.timeouts.poll)
+        lines = []
+        for ref in refs:
+            if ref not in ready:
+                continue
+            try:
+                report = ray.get(ref, timeout=0)
+            except Exception:  # the host is gone: the health check says so, not this message
+                continue
+            where = f"island {report['island']} host {report['host']}"
+            for run in report["runs"]:
+                missing = run["missing"]
+                waits = (f"waits for {missing[0]}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+                         if missing else "is running")
+                op = run["kind"] if run["name"] == run["kind"] else f"{run['kind']} {run['name']}"
+                lines.append(f"{where}: program {run['program']!r} (sequence {run['seq']}) at op {run['op']} ({op}) "
+                             f"{waits}")
+            if report["held"]:
+                lines.append(f"{where}: {report['held']} messages wait for an earlier one to arrive")
+        detail = "; ".join(lines[:8]) + (f"; and {len(lines) - 8} more" if len(lines) > 8 else "")
+        return IslandFailedError(f"{what} timed out after {timeout:.1f}s; islands {sorted(islands)} are alive but "
+                                 f"did not produce it (overloaded or stuck)" + (f": {detail}" if detail else ""))
 
     def check_islands(self, islands: frozenset[int]) -> None:
         """Ping every host of ``islands``; a dead one marks its island failed everywhere and raises."""

@@ -116,6 +116,9 @@ class BufferTable:
             self._doomed.clear()
             self._bytes = 0
 
+    def __contains__(self, buffer_id: int) -> bool:
+        return buffer_id in self._entries
+
     def __len__(self) -> int:
         return len(self._entries)
 

@@ -406,6 +406,30 @@ class Executor:
             self.failed_islands.add(island)
             self.touch()
 
+    def stalled(self, tenant: str) -> list[dict]:
+        """The tenant's admitted fragments that have not finished, and what each waits for: what a client's
+        timeout reports, so a stuck program says where it stopped."""
+        out = []
+        with self.cond:
+            runs = [run for run in self.runs if run.tenant == tenant]
+        for run in runs:
+            if run.pc >= len(run.ops):
+                continue
+            op = run.ops[run.pc]
+            kind = op["op"]
+            if kind == "recv":
+                missing = [f"buffer {run.rid(op['out'])} from island {op['src']}"]
+            else:
+                name = READS.get(kind)
+                slots = op.get(name, []) if name else []
+                ids = [run.rid(s) for s in (slots if isinstance(slots, list) else [slots])]
+                missing = [f"buffer {i}" for i in ids if i not in self.table]
+            since = run.waiting_since
+            out.append({"seq": run.seq, "program": run.label, "op": run.pc, "kind": kind,
+                        "name": op.get("name", kind), "missing": missing,
+                        "waiting_s": 0.0 if since is None else round(time.monotonic() - since, 3)})
+        return out
+
     def stats(self) -> dict:
         return {"queue_depth": len(self.runs), "completed": self.completed, "ops": self.ops_run,
                 "busy_s": self.busy_s, "mailbox": len(self.mailbox), "bytes_in": self.bytes_in,

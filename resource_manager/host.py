@@ -109,8 +109,8 @@ class Host:
         self.scheduler.submit(payload, refs)
 
     @ray.method(concurrency_group=SCHEDULE)
-    def submit_batch(self, items: list) -> None:
-        self.scheduler.submit_batch(items)
+    def submit_batch(self, client: int, first: int, items: list) -> None:
+        self.scheduler.submit_batch(client, first, items)
 
     @ray.method(concurrency_group=SCHEDULE)
     def grant(self, key: str, tenant: str, desc: dict) -> None:
@@ -313,6 +313,13 @@ class Host:
     def reset_peak(self) -> int:
         """Restart the buffer table's peak-bytes counter (e.g. before a step to measure); returns the old peak."""
         return self.table.reset_peak()
+
+    def stalled(self, tenant: str) -> dict:
+        """What this host's admitted fragments of ``tenant`` wait for, and how many messages it holds until
+        an earlier sequence number arrives (see ``Executor.stalled``)."""
+        with self._cond:
+            held = len(self._pending)
+        return {"island": self.island, "host": self.index, "held": held, "runs": self.executor.stalled(tenant)}
 
     def stats(self) -> dict:
         with self._cond:

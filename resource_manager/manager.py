@@ -104,9 +104,7 @@ class ResourceManager:
         if free_buffers and info is not None:
             message = wire.encode("free", {"tenant": info["tenant"], "client": client, "ids": [],
                                            "everything": True})
-            for island in self.islands:
-                if island.index not in self.inventory.unhealthy:
-                    island.scheduler.submit.remote(message)
+            self._schedulers("submit", message)  # queued before the client is revoked, or it would be refused
         self._schedulers("revoke_client", client)
         tenant = info["tenant"] if info else None
         info_t = self.tenants.get(tenant)

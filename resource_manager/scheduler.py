@@ -1,10 +1,12 @@
 """An island's scheduler: one total order over every client's fragments, handed to every host.
 
 It lives in the island's host 0 (``resource_manager.host``), which serves its
-methods on one thread of their own, so messages from one client keep their
-order, and hands its own share of each batch to its executor without an actor
-call: a fragment on a one-host island costs the client's call and nothing
-more. Each message is validated and checked against the slices its
+methods on one thread of their own and hands its own share of each batch to its
+executor without an actor call: a fragment on a one-host island costs the
+client's call and nothing more. Ray runs a threaded actor's calls in no
+guaranteed order, even those of one caller, so each client numbers its
+messages and a batch that overtook an earlier one waits here until the gap
+is filled. Each message is validated and checked against the slices its
 tenant owns, then queued per tenant. Up to ``window`` fragments, and about
 ``window_s`` seconds of estimated island time, are in flight on the island;
 the next one comes from the tenant with the lowest *pass* (stride scheduling:
@@ -64,6 +66,8 @@ class Scheduler:
         self._time: dict[str, float] = {}
         self._recent: deque[tuple[float, str, float]] = deque()
         self._fragments: dict[str, int] = {}
+        self._streams: dict[int, int] = {}  # client -> number of its messages queued so far
+        self._early: dict[int, dict[int, list]] = {}  # client -> {first message's number: batch} ahead of a gap
 
     # -- ownership and weights (set by the resource manager) ------------------------------------
     def grant(self, key: str, tenant: str, desc: dict) -> None:
@@ -77,6 +81,8 @@ class Scheduler:
     def revoke_client(self, client: int) -> None:
         with self._lock:
             self._clients.pop(client, None)
+            self._streams.pop(client, None)
+            self._early.pop(client, None)
 
     def revoke(self, keys: list[str]) -> None:
         with self._lock:
@@ -89,28 +95,56 @@ class Scheduler:
 
     # -- the ordered stream ---------------------------------------------------------------------
     def submit(self, payload: bytes, refs: list | None = None) -> None:
-        """Queue one message (fragment call, put or free) for its tenant; forward what the window allows."""
-        self.submit_batch([(payload, refs)])
+        """Queue one message outside any client's numbered stream (the resource manager's, which waits for
+        each); forward what the window allows."""
+        self._take(lambda: self._queue_all([(payload, refs)]))
 
-    def submit_batch(self, items: list) -> None:
-        """Queue several ``(payload, refs)`` messages of one client, in order (its session coalesces what it
-        dispatches while the scheduler is busy); forward them now only while fewer than ``eager`` fragments are
-        in flight. A malformed message raises after the others are queued."""
-        error, released = None, []
+    def submit_batch(self, client: int, first: int, items: list) -> None:
+        """Queue messages ``first``, ``first + 1``, ... of ``client``'s stream, each ``(payload, refs)``.
+
+        A batch that arrives before an earlier one of the same client waits for it. Messages are forwarded
+        now only while fewer than ``eager`` fragments are in flight (a busy client's session coalesces what
+        it dispatches meanwhile). A malformed message raises after the others are queued."""
+        self._take(lambda: self._in_order(client, first, items))
+
+    def _take(self, queue: Callable[[], WireFormatError | None]) -> None:
+        released = []
         with self._lock:
-            self._received[0] += 1
-            self._received[1] += len(items)
-            for payload, refs in items:
-                try:
-                    self._queue(payload, refs)
-                except WireFormatError as exc:
-                    error = error or exc
+            error = queue()
             if len(self._inflight) < self.eager:
                 released = self._release()
         if released:
             self._forward(released)
         if error is not None:
             raise error
+
+    def _in_order(self, client: int, first: int, items: list) -> WireFormatError | None:
+        expected = self._streams.get(client, 0)
+        if first < expected:
+            return WireFormatError(f"island {self.island} already queued message {first} of client {client}; "
+                                   f"a message is sent once")
+        early = self._early.setdefault(client, {})
+        early[first] = items
+        error = None
+        while expected in early:
+            batch = early.pop(expected)
+            error = self._queue_all(batch) or error
+            expected += len(batch)
+        self._streams[client] = expected
+        if not early:
+            del self._early[client]
+        return error
+
+    def _queue_all(self, items: list) -> WireFormatError | None:
+        self._received[0] += 1
+        self._received[1] += len(items)
+        error = None
+        for payload, refs in items:
+            try:
+                self._queue(payload, refs)
+            except WireFormatError as exc:
+                error = error or exc
+        return error
 
     def _queue(self, payload: bytes, refs: list | None) -> None:
         msg = wire.decode(payload, "call", "put", "free")
@@ -219,4 +253,5 @@ class Scheduler:
                 "queued": sum(len(q) for q in self._queues.values()), "inflight": len(self._inflight),
                 "blocked": len(self._blocked), "tenant_time_s": dict(self._time),
                 "fragments": dict(self._fragments), "weights": dict(self._weights),
-                "submit_calls": self._received[0], "messages": self._received[1]}
+                "submit_calls": self._received[0], "messages": self._received[1],
+                "early": sum(len(e) for e in self._early.values())}

@@ -10,6 +10,7 @@ import sys
 import textwrap
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -141,6 +142,20 @@ def test_garbage_messages_are_refused_and_hosts_keep_serving(cluster):
     assert not reply["ok"] and reply["value"][0] == "WireFormatError"
     with pw.slice((2,), ("x",), island=0) as s:
         np.testing.assert_allclose(np.asarray(pw.jit(lambda v: v - 1.0, slice=s)(pw.put(np.ones(2), s))), 0.0)
+
+
+def test_a_fetch_that_times_out_says_where_the_program_stopped(cluster):
+    def slow(v):  # 0.5 TFLOP: 1.5 s at this machine's peak, far longer than the fetch waits
+        return jax.lax.fori_loop(0, 2000, lambda _, a: jnp.tanh(a @ a), v)
+
+    with pw.slice((1,), ("x",), island=0) as s0, pw.slice((1,), ("x",), island=1) as s1:
+        grind, inc = pw.jit(slow, slice=s0, name="grind"), pw.jit(lambda v: v + 1.0, slice=s1, name="inc")
+        out = pw.program(lambda v: inc(pw.transfer(grind(v), s1)))(pw.put(np.eye(512, dtype=np.float32), s0))
+        with pytest.raises(pw.IslandFailedError, match="timed out") as info:
+            out.block_until_ready(timeout=0.2)
+        message = str(info.value)
+        assert "island 1 host 0: program" in message and "from island 0" in message, message
+        out.block_until_ready(timeout=60)
 
 
 def test_second_process_sees_the_same_cluster(cluster):

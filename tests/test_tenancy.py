@@ -120,11 +120,19 @@ def test_batched_forwarding_keeps_one_order_and_weighted_shares():
         calls = [wire.encode("call", {"tenant": tenant, "client": client, "template": template,
                                       "base": (client << CLIENT_ID_BITS) + k, "inputs": [], "exes": {}, "frees": []})
                  for k in range(200)]
+        first = [(c, None) for c in calls[:50]] + [(b"garbage", None)] + [(calls[50], None)]
+        sent = len(batches)
+        scheduler.submit_batch(client, len(first), [(c, None) for c in calls[51:100]])  # overtook the first batch
+        assert len(batches) == sent and scheduler.stats()["early"] == 1, "a batch ahead of a gap waits"
         with pytest.raises(pw.WireFormatError):  # a malformed message is refused; the rest of its batch is not
-            scheduler.submit_batch([(c, None) for c in calls[:50]] + [(b"garbage", None)] + [(calls[50], None)])
-        scheduler.submit_batch([(c, None) for c in calls[51:100]])
+            scheduler.submit_batch(client, 0, first)
+        assert scheduler.stats()["early"] == 0
+        number = len(first) + 49
+        with pytest.raises(pw.WireFormatError, match="sent once"):
+            scheduler.submit_batch(client, number - 1, [(calls[99], None)])
         for c in calls[100:]:
-            scheduler.submit(c)
+            scheduler.submit_batch(client, number, [(c, None)])
+            number += 1
     released: list[tuple] = []
     while len(released) < 200:  # the island runs everything in flight, 1 ms each, and reports it at once
         pending = [item for b in batches for item in b][len(released):]

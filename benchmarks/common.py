@@ -37,6 +37,21 @@ def timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - start
 
 
+def process_cpu_s(pids: Sequence[int]) -> float | None:
+    """CPU seconds (user + system) the processes ``pids`` used so far; None where there is no /proc.
+    A process that has exited counts 0."""
+    if not Path("/proc/self/stat").exists():
+        return None
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def units_for(seconds_per_unit: float, target_s: float, low: int, high: int) -> int:
     """How many units of work make one timed repetition last about ``target_s``."""
     if seconds_per_unit <= 0:

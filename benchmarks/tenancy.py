@@ -25,7 +25,7 @@ import time
 
 import ray
 
-from benchmarks.common import Table, default_out, median, write_json
+from benchmarks.common import Table, default_out, median, process_cpu_s, write_json
 
 WEIGHTS = {"w1": 1.0, "w2": 2.0, "w4": 4.0, "w8": 8.0}
 
@@ -99,18 +99,35 @@ def fair_share(session, seconds: float, startup: float) -> dict:
     return rows
 
 
-def throughput(clients: list[int], reps: int, seconds: float, startup: float, gap: float = 2.0) -> dict[int, list]:
+def throughput(session, clients: list[int], reps: int, seconds: float, startup: float,
+               gap: float = 2.0) -> tuple[dict[int, list], dict[int, list]]:
     """Computations/s of each phase: ``n`` of the client processes running, for each n in ``clients``,
-    the phases alternating ``reps`` times (one start-up for all of them)."""
+    the phases alternating ``reps`` times (one start-up for all of them). Also, per phase, the CPU each
+    message to the island cost its host and the clients (core-us, from /proc over the phase's middle)."""
     phases = [n for _ in range(reps) for n in clients]
     start_at = time.time() + startup
     windows = [[start_at + k * (seconds + gap), start_at + k * (seconds + gap) + seconds] for k in range(len(phases))]
     procs = [spawn(f"c{k}", 1.0, 64, 32, [w for w, n in zip(windows, phases) if k < n]) for k in range(max(clients))]
+    host = session.islands[0].hosts[0]
+    host_pid = ray.get(host.stats.remote(), timeout=60)["pid"]
+    samples = []
+    for begin, end in windows:
+        time.sleep(max(0.0, begin + seconds * 0.1 - time.time()))
+        first = (ray.get(host.schedule_stats.remote(), timeout=60)["messages"], process_cpu_s([host_pid]),
+                 process_cpu_s([p.pid for p in procs]))
+        time.sleep(max(0.0, end - seconds * 0.1 - time.time()))
+        last = (ray.get(host.schedule_stats.remote(), timeout=60)["messages"], process_cpu_s([host_pid]),
+                process_cpu_s([p.pid for p in procs]))
+        per = 1e6 / max(1, last[0] - first[0])
+        samples.append(None if first[1] is None else
+                       {"host_us": (last[1] - first[1]) * per, "clients_us": (last[2] - first[2]) * per})
     done = [iter(r["done"]) for r in collect(procs)]
     rates: dict[int, list] = {n: [] for n in clients}
-    for n in phases:
+    costs: dict[int, list] = {n: [] for n in clients}
+    for n, sample in zip(phases, samples):
         rates[n].append(sum(next(done[k]) for k in range(n)) / seconds)
-    return rates
+        costs[n].append(sample)
+    return rates, costs
 
 
 def main() -> None:
@@ -143,19 +160,25 @@ def main() -> None:
     print(table.render())
     print(f"worst relative error {100 * worst:.1f}% (target within ±10%): {'MET' if worst <= 0.10 else 'NOT MET'}\n")
 
-    rates = throughput(args.clients, args.reps, args.seconds, args.startup)
+    rates, costs = throughput(session, args.clients, args.reps, args.seconds, args.startup)
     medians = {n: median(r) for n, r in rates.items()}
     one = medians[args.clients[0]]
-    table = Table(["clients", "computations/s (median)", "each phase", "vs one client"])
+    table = Table(["clients", "computations/s (median)", "each phase", "vs one client",
+                   "host core-us/msg", "clients core-us/msg"])
     for n, rs in rates.items():
-        table.add(n, f"{medians[n]:.0f}", " ".join(f"{r:.0f}" for r in rs), f"{medians[n] / one:.2f}x")
+        known = [c for c in costs[n] if c is not None]
+        host_us = f"{median([c['host_us'] for c in known]):.0f}" if known else "-"
+        clients_us = f"{median([c['clients_us'] for c in known]):.0f}" if known else "-"
+        table.add(n, f"{medians[n]:.0f}", " ".join(f"{r:.0f}" for r in rs), f"{medians[n] / one:.2f}x",
+                  host_us, clients_us)
     print(f"Aggregate throughput of concurrent clients (small computations on island 0; {args.reps} phases each, "
           "alternating)")
     print(table.render())
     ok = all(m >= one for m in medians.values())
     print(f"aggregate >= one client's (medians): {'MET' if ok else 'NOT MET'}")
     path = write_json(args.out, {"fair_share": shares, "worst_error": worst, "throughput": medians,
-                                 "throughput_phases": rates, "vs_one_client": {n: m / one for n, m in medians.items()}})
+                                 "throughput_phases": rates, "cpu_per_message": costs,
+                                 "vs_one_client": {n: m / one for n, m in medians.items()}})
     print(f"wrote {path}")
     pw.shutdown()
 

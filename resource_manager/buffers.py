@@ -2,7 +2,9 @@
 
 Deletes wait for pending ops: a free that arrives while an earlier fragment
 still has to write or read the buffer marks it doomed, and the last of those
-ops drops it.
+ops drops it. A fetch waiting for a buffer is woken when that buffer arrives,
+not by every other write: a busy island serving several clients' fetches
+would otherwise wake each of them on every op.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class BufferTable:
         self._entries: dict[int, Entry] = {}
         self._uses: Counter[int] = Counter()
         self._doomed: set[int] = set()
+        self._waiters: dict[int, list[threading.Event]] = {}
         self._bytes = 0  # of every entry, kept on each change so stats and the peak cost O(1)
         self._peak = 0
 
@@ -59,7 +62,8 @@ class BufferTable:
             if entry is not None and entry.tenant != tenant:
                 raise TenantAccessError(f"buffer {buffer_id} is not owned by tenant {tenant!r}; refusing to write it")
             self._set(buffer_id, Entry(tenant, value))
-            self._cond.notify_all()
+            for event in self._waiters.pop(buffer_id, ()):
+                event.set()
 
     def lookup(self, buffer_id: int, tenant: str) -> Entry | None:
         """The entry if it exists; refuses another tenant's buffer without revealing it."""
@@ -70,8 +74,20 @@ class BufferTable:
         return entry
 
     def wait(self, buffer_id: int, tenant: str, timeout: float) -> Entry | None:
+        """The entry once it exists, or None after ``timeout`` seconds."""
         with self._cond:
-            self._cond.wait_for(lambda: buffer_id in self._entries, timeout=timeout)
+            if buffer_id in self._entries:
+                return self.lookup(buffer_id, tenant)
+            event = threading.Event()
+            self._waiters.setdefault(buffer_id, []).append(event)
+        arrived = event.wait(timeout)
+        with self._cond:
+            if not arrived:
+                waiters = self._waiters.get(buffer_id, [])
+                if event in waiters:
+                    waiters.remove(event)
+                if not waiters:
+                    self._waiters.pop(buffer_id, None)
             return self.lookup(buffer_id, tenant)
 
     def add_uses(self, ids: list[int]) -> None:

@@ -31,7 +31,7 @@ from collections import deque
 from collections.abc import Callable
 
 from pathways import wire
-from pathways.errors import TenantAccessError, WireFormatError, to_wire
+from pathways.errors import PathwaysError, TenantAccessError, WireFormatError, to_wire
 from pathways.names import CLIENT_ID_BITS
 
 FIRST_ESTIMATE_S = 1e-3
@@ -97,17 +97,18 @@ class Scheduler:
     def submit(self, payload: bytes, refs: list | None = None) -> None:
         """Queue one message outside any client's numbered stream (the resource manager's, which waits for
         each); forward what the window allows."""
-        self._take(lambda: self._queue_all([(payload, refs)]))
+        self._take(lambda: self._queue_all(*self._decode([(payload, refs)])))
 
     def submit_batch(self, client: int, first: int, items: list) -> None:
         """Queue messages ``first``, ``first + 1``, ... of ``client``'s stream, each ``(payload, refs)``.
 
         A batch that arrives before an earlier one of the same client waits for it. Messages are forwarded
         now only while fewer than ``eager`` fragments are in flight (a busy client's session coalesces what
-        it dispatches meanwhile). A malformed message raises after the others are queued."""
+        it dispatches meanwhile). A malformed message raises after the others are queued; a batch holding
+        another client's message is refused whole, so no client can disturb another's stream."""
         self._take(lambda: self._in_order(client, first, items))
 
-    def _take(self, queue: Callable[[], WireFormatError | None]) -> None:
+    def _take(self, queue: Callable[[], PathwaysError | None]) -> None:
         released = []
         with self._lock:
             error = queue()
@@ -118,36 +119,51 @@ class Scheduler:
         if error is not None:
             raise error
 
-    def _in_order(self, client: int, first: int, items: list) -> WireFormatError | None:
+    @staticmethod
+    def _decode(items: list) -> tuple[list, WireFormatError | None]:
+        """``(message or None if malformed, payload, refs)`` per item, and the first decoding error."""
+        entries, error = [], None
+        for payload, refs in items:
+            try:
+                entries.append((wire.decode(payload, "call", "put", "free"), payload, refs))
+            except WireFormatError as exc:
+                entries.append((None, payload, refs))
+                error = error or exc
+        return entries, error
+
+    def _in_order(self, client: int, first: int, items: list) -> PathwaysError | None:
+        entries, error = self._decode(items)
+        claimed = {msg["client"] for msg, _, _ in entries if msg is not None} - {client}
+        if claimed:
+            return TenantAccessError(f"a batch on client {client}'s stream carries messages of client(s) "
+                                     f"{sorted(claimed)}; the island refused all of it")
         expected = self._streams.get(client, 0)
         if first < expected:
             return WireFormatError(f"island {self.island} already queued message {first} of client {client}; "
                                    f"a message is sent once")
         early = self._early.setdefault(client, {})
-        early[first] = items
+        early[first] = (entries, error)
         error = None
         while expected in early:
-            batch = early.pop(expected)
-            error = self._queue_all(batch) or error
+            batch, decode_error = early.pop(expected)
+            self._queue_all(batch, None)
+            error = error or decode_error
             expected += len(batch)
         self._streams[client] = expected
         if not early:
             del self._early[client]
         return error
 
-    def _queue_all(self, items: list) -> WireFormatError | None:
+    def _queue_all(self, entries: list, error: WireFormatError | None) -> WireFormatError | None:
+        """Queue the decoded messages (skipping malformed ones); returns ``error`` for the caller to raise."""
         self._received[0] += 1
-        self._received[1] += len(items)
-        error = None
-        for payload, refs in items:
-            try:
-                self._queue(payload, refs)
-            except WireFormatError as exc:
-                error = error or exc
+        self._received[1] += len(entries)
+        for msg, payload, refs in entries:
+            if msg is not None:
+                self._queue(msg, payload, refs)
         return error
 
-    def _queue(self, payload: bytes, refs: list | None) -> None:
-        msg = wire.decode(payload, "call", "put", "free")
+    def _queue(self, msg: dict, payload: bytes, refs: list | None) -> None:
         refusal = self._check(msg)
         tenant = msg["tenant"]
         queue = self._queues.get(tenant)

@@ -148,6 +148,23 @@ def test_batched_forwarding_keeps_one_order_and_weighted_shares():
         assert bases == sorted(bases)
 
 
+def test_a_client_cannot_disturb_another_clients_stream():
+    batches: list[list] = []
+    scheduler = Scheduler(0, batches.append)
+    template = wire.encode("template", {"program": "p", "n_inputs": 0, "n_values": 1, "slices": {}, "ops": []})
+    calls = {}
+    for client, tenant in ((1, "victim"), (2, "mallory")):
+        scheduler.grant_client(client, tenant)
+        calls[client] = [wire.encode("call", {"tenant": tenant, "client": client, "template": template,
+                                              "base": (client << CLIENT_ID_BITS) + k, "inputs": [], "exes": {},
+                                              "frees": []}) for k in range(3)]
+    with pytest.raises(pw.TenantAccessError, match="carries messages of client"):  # mallory's own messages,
+        scheduler.submit_batch(1, 0, [(c, None) for c in calls[2]])                # sent on the victim's stream
+    scheduler.submit_batch(1, 0, [(c, None) for c in calls[1]])  # the victim's stream is where it was
+    released = [wire.decode(p)["client"] for b in batches for _, p, *_ in b]
+    assert released == [1, 1, 1], released
+
+
 def test_a_burst_of_dependent_calls_is_coalesced_and_stays_in_order(cluster):
     scheduler = cluster.islands[0].scheduler
     before = ray.get(scheduler.schedule_stats.remote(), timeout=30)

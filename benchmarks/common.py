@@ -13,7 +13,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,19 +37,26 @@ def timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - start
 
 
-def process_cpu_s(pids: Sequence[int]) -> float | None:
-    """CPU seconds (user + system) the processes ``pids`` used so far; None where there is no /proc.
-    A process that has exited counts 0."""
+def proc_stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (field 4 on, 0-based here); None if the
+    process is gone or there is no /proc."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def process_cpu_s(pids: Iterable[int], stats: dict[int, list[str]] | None = None) -> float | None:
+    """CPU seconds (user + system) the processes ``pids`` used so far, from ``stats`` (``proc_stat`` by pid)
+    or read now; None where there is no /proc. A process that has exited counts 0."""
     if not Path("/proc/self/stat").exists():
         return None
-    total = 0
+    ticks = 0
     for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
+        fields = stats.get(pid) if stats is not None else proc_stat(pid)
+        if fields is not None:
+            ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def units_for(seconds_per_unit: float, target_s: float, low: int, high: int) -> int:

@@ -50,7 +50,7 @@ import ray  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import pathways as pw  # noqa: E402
-from benchmarks.common import Table, default_out, median, rate_text, write_json  # noqa: E402
+from benchmarks.common import Table, default_out, median, proc_stat, process_cpu_s, rate_text, write_json  # noqa: E402
 
 WIDTH, DEPTH, BATCH = 512, 8, 4096
 TARGET = 0.9
@@ -105,23 +105,14 @@ class Row:
 def cluster_cpu_s() -> float | None:
     """CPU seconds used so far by this process and every process it started (the embedded Ray cluster:
     raylet, hosts, schedulers); None where there is no /proc."""
-    proc = Path("/proc")
-    if not (proc / "self" / "stat").exists():
-        return None
-    stats: dict[int, list[str]] = {}
-    for path in proc.glob("[0-9]*/stat"):
-        try:
-            text = path.read_text()
-        except OSError:  # exited meanwhile
-            continue
-        stats[int(path.parent.name)] = text.rsplit(")", 1)[1].split()
+    stats = {int(p.name): proc_stat(int(p.name)) for p in Path("/proc").glob("[0-9]*")}
+    stats = {pid: fields for pid, fields in stats.items() if fields is not None}  # exited meanwhile
     mine, frontier = set(), [os.getpid()]
     while frontier:
         pid = frontier.pop()
         mine.add(pid)
         frontier += [p for p, f in stats.items() if int(f[1]) == pid and p not in mine]
-    tick = os.sysconf("SC_CLK_TCK")
-    return sum(int(stats[p][11]) + int(stats[p][12]) for p in mine if p in stats) / tick
+    return process_cpu_s(mine, stats)
 
 
 def busy(session: Any, islands: list[int]) -> list[float]:

@@ -110,14 +110,17 @@ def throughput(session, clients: list[int], reps: int, seconds: float, startup: 
     procs = [spawn(f"c{k}", 1.0, 64, 32, [w for w, n in zip(windows, phases) if k < n]) for k in range(max(clients))]
     host = session.islands[0].hosts[0]
     host_pid = ray.get(host.stats.remote(), timeout=60)["pid"]
+
+    def reading() -> tuple:  # messages the island has taken, host CPU s, clients' CPU s
+        return (ray.get(host.schedule_stats.remote(), timeout=60)["messages"], process_cpu_s([host_pid]),
+                process_cpu_s([p.pid for p in procs]))
+
     samples = []
     for begin, end in windows:
         time.sleep(max(0.0, begin + seconds * 0.1 - time.time()))
-        first = (ray.get(host.schedule_stats.remote(), timeout=60)["messages"], process_cpu_s([host_pid]),
-                 process_cpu_s([p.pid for p in procs]))
+        first = reading()
         time.sleep(max(0.0, end - seconds * 0.1 - time.time()))
-        last = (ray.get(host.schedule_stats.remote(), timeout=60)["messages"], process_cpu_s([host_pid]),
-                process_cpu_s([p.pid for p in procs]))
+        last = reading()
         per = 1e6 / max(1, last[0] - first[0])
         samples.append(None if first[1] is None else
                        {"host_us": (last[1] - first[1]) * per, "clients_us": (last[2] - first[2]) * per})

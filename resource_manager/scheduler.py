@@ -97,7 +97,12 @@ class Scheduler:
     def submit(self, payload: bytes, refs: list | None = None) -> None:
         """Queue one message outside any client's numbered stream (the resource manager's, which waits for
         each); forward what the window allows."""
-        self._take(lambda: self._queue_all(*self._decode([(payload, refs)])))
+        def queue() -> WireFormatError | None:
+            entries, error = self._decode([(payload, refs)])
+            self._queue_all(entries)
+            return error
+
+        self._take(queue)
 
     def submit_batch(self, client: int, first: int, items: list) -> None:
         """Queue messages ``first``, ``first + 1``, ... of ``client``'s stream, each ``(payload, refs)``.
@@ -146,7 +151,7 @@ class Scheduler:
         error = None
         while expected in early:
             batch, decode_error = early.pop(expected)
-            self._queue_all(batch, None)
+            self._queue_all(batch)
             error = error or decode_error
             expected += len(batch)
         self._streams[client] = expected
@@ -154,14 +159,13 @@ class Scheduler:
             del self._early[client]
         return error
 
-    def _queue_all(self, entries: list, error: WireFormatError | None) -> WireFormatError | None:
-        """Queue the decoded messages (skipping malformed ones); returns ``error`` for the caller to raise."""
+    def _queue_all(self, entries: list) -> None:
+        """Queue the decoded messages of one batch, skipping malformed ones."""
         self._received[0] += 1
         self._received[1] += len(entries)
         for msg, payload, refs in entries:
             if msg is not None:
                 self._queue(msg, payload, refs)
-        return error
 
     def _queue(self, msg: dict, payload: bytes, refs: list | None) -> None:
         refusal = self._check(msg)

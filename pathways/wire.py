@@ -9,6 +9,7 @@ without crashing or touching any state.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -63,7 +64,7 @@ MESSAGES: dict[str, dict] = {
 def encode(kind: str, body: dict[str, Any]) -> bytes:
     """Pack ``body`` as a message of ``kind``; the version and kind are added here."""
     msg = {"v": VERSION, "kind": kind, **body}
-    _check(msg, MESSAGES[kind], kind)
+    _validate(msg, _MESSAGE_CHECKS[kind], kind)
     return msgpack.packb(msg, use_bin_type=True)
 
 
@@ -87,60 +88,126 @@ def decode(data: Any, *kinds: str) -> dict[str, Any]:
     if kind not in MESSAGES or (kinds and kind not in kinds):
         expected = ", ".join(kinds or MESSAGES)
         raise WireFormatError(f"unexpected message kind {kind!r}; expected one of: {expected}")
-    _check(msg, MESSAGES[kind], kind)
+    _validate(msg, _MESSAGE_CHECKS[kind], kind)
     if kind == "template":
         for i, op in enumerate(msg["ops"]):
             name = op.get("op")
             if name not in OPS:
                 raise WireFormatError(f"template.ops[{i}]: unknown op {name!r}; known: {', '.join(OPS)}")
-            _check(op, OPS[name], f"template.ops[{i}]({name})")
+            _validate(op, _OP_CHECKS[name], f"template.ops[{i}]({name})")
     return msg
 
 
-def _check(value: Any, schema: Any, path: str) -> None:
+# -- validation: each schema compiles once into a checker; a path is spelled out only for an error ----
+
+
+class _Invalid(Exception):
+    """A value that does not fit its schema: why, and where below the value being checked."""
+
+    def __init__(self, reason: str, where: str = "") -> None:
+        super().__init__(reason)
+        self.reason, self.where = reason, where
+
+    def within(self, step: str) -> _Invalid:
+        return _Invalid(self.reason, step + self.where)
+
+
+Check = Callable[[Any], None]
+
+
+def _validate(value: Any, check: Check, path: str) -> None:
+    try:
+        check(value)
+    except _Invalid as exc:
+        raise WireFormatError(f"{path}{exc.where}: {exc.reason}") from None
+
+
+def _accept(value: Any) -> None:
+    pass
+
+
+def _type_check(kind: type) -> Check:
+    if kind is int:  # a bool is an int to Python, never to the wire format
+        def check(value: Any) -> None:
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise _Invalid(f"expected int, got {type(value).__name__}")
+    elif kind is float:  # msgpack sends 2.0 as 2
+        def check(value: Any) -> None:
+            if not isinstance(value, (float, int)) or isinstance(value, bool):
+                raise _Invalid(f"expected float, got {type(value).__name__}")
+    else:
+        def check(value: Any) -> None:
+            if not isinstance(value, kind):
+                raise _Invalid(f"expected {kind.__name__}, got {type(value).__name__}")
+    return check
+
+
+def _compile(schema: Any) -> Check:
     if schema is ANY:
-        return
+        return _accept
     if isinstance(schema, dict):
-        if not isinstance(value, dict):
-            raise WireFormatError(f"{path}: expected a map, got {type(value).__name__}")
-        for field, sub in schema.items():
-            if field not in value:
-                if isinstance(sub, tuple) and sub[0] == "opt":
-                    continue
-                raise WireFormatError(f"{path}: missing field {field!r}")
-            _check(value[field], sub, f"{path}.{field}")
-        return
-    if isinstance(schema, tuple):
-        tag = schema[0]
-        if tag == "opt":
+        return _map_check(schema)
+    if not isinstance(schema, tuple):
+        return _type_check(schema)
+    tag, inner = schema[0], [_compile(s) for s in schema[1:]]
+    if tag == "opt":
+        def check_opt(value: Any) -> None:
             if value is not None:
-                _check(value, schema[1], path)
-        elif tag == "or":
+                inner[0](value)
+        return check_opt
+    if tag == "or":
+        def check_or(value: Any) -> None:
             errors = []
-            for option in schema[1:]:
+            for option in inner:
                 try:
-                    _check(value, option, path)
-                    return
-                except WireFormatError as exc:
-                    errors.append(str(exc))
-            raise WireFormatError(" / ".join(errors))
-        elif tag == "list":
+                    return option(value)
+                except _Invalid as exc:
+                    errors.append(f"{exc.where}: {exc.reason}" if exc.where else exc.reason)
+            raise _Invalid(" / ".join(errors))
+        return check_or
+    item = inner[0]
+    if tag == "list":
+        def check_list(value: Any) -> None:
             if not isinstance(value, (list, tuple)):
-                raise WireFormatError(f"{path}: expected a list, got {type(value).__name__}")
-            for i, item in enumerate(value):
-                _check(item, schema[1], f"{path}[{i}]")
-        elif tag == "map":
-            if not isinstance(value, dict):
-                raise WireFormatError(f"{path}: expected a map, got {type(value).__name__}")
-            for key, item in value.items():
-                _check(item, schema[1], f"{path}[{key!r}]")
-        return
-    if schema is float and isinstance(value, int) and not isinstance(value, bool):
-        return
-    if schema is int and isinstance(value, bool):
-        raise WireFormatError(f"{path}: expected int, got bool")
-    if not isinstance(value, schema):
-        raise WireFormatError(f"{path}: expected {schema.__name__}, got {type(value).__name__}")
+                raise _Invalid(f"expected a list, got {type(value).__name__}")
+            for i, v in enumerate(value):
+                try:
+                    item(v)
+                except _Invalid as exc:
+                    raise exc.within(f"[{i}]") from None
+        return check_list
+
+    def check_map(value: Any) -> None:  # ("map", value schema): any keys
+        if not isinstance(value, dict):
+            raise _Invalid(f"expected a map, got {type(value).__name__}")
+        for key, v in value.items():
+            try:
+                item(v)
+            except _Invalid as exc:
+                raise exc.within(f"[{key!r}]") from None
+    return check_map
+
+
+def _map_check(schema: dict) -> Check:
+    fields = [(name, _compile(sub), isinstance(sub, tuple) and sub[0] == "opt") for name, sub in schema.items()]
+
+    def check_fields(value: Any) -> None:
+        if not isinstance(value, dict):
+            raise _Invalid(f"expected a map, got {type(value).__name__}")
+        for name, check, optional in fields:
+            if name not in value:
+                if optional:
+                    continue
+                raise _Invalid(f"missing field {name!r}")
+            try:
+                check(value[name])
+            except _Invalid as exc:
+                raise exc.within(f".{name}") from None
+    return check_fields
+
+
+_MESSAGE_CHECKS = {kind: _map_check(schema) for kind, schema in MESSAGES.items()}
+_OP_CHECKS = {name: _map_check(schema) for name, schema in OPS.items()}
 
 
 class TemplateCache:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pathways.errors import TenantAccessError
@@ -29,10 +29,10 @@ class Failure:
 class Entry:
     tenant: str
     value: Any  # jax.Array | Failure
+    nbytes: int = field(init=False)  # read on every put and drop: jax.Array.nbytes is a Python property
 
-    @property
-    def nbytes(self) -> int:
-        return 0 if isinstance(self.value, Failure) else int(self.value.nbytes)
+    def __post_init__(self) -> None:
+        self.nbytes = 0 if isinstance(self.value, Failure) else int(self.value.nbytes)
 
 
 class BufferTable:

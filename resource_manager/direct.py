@@ -19,6 +19,7 @@ otherwise shards go through the object store.
 from __future__ import annotations
 
 import ctypes
+import functools
 import itertools
 import os
 import sys
@@ -83,11 +84,13 @@ def _read(pid: int, local: np.ndarray, remote: np.ndarray, nbytes: int) -> None:
                            f"{os.strerror(err) if err else 'its memory changed under the copy'}")
 
 
+@functools.lru_cache(maxsize=4096)
 def runs(have: Index, want: Index, itemsize: int) -> tuple[np.ndarray, np.ndarray, int] | None:
     """Byte offsets of the contiguous runs where region ``have`` overlaps ``want`` (both row-major).
 
     Returns (offsets in ``have``, offsets in ``want``, run length), or None when they do not overlap.
-    Trailing dimensions both regions hold whole merge into longer runs.
+    Trailing dimensions both regions hold whole merge into longer runs. A training loop moves the same
+    regions every step, so results are cached (read-only arrays).
     """
     shared = intersection(have, want)
     if shared is None:
@@ -109,9 +112,11 @@ def runs(have: Index, want: Index, itemsize: int) -> tuple[np.ndarray, np.ndarra
         start = np.array([x - a for x, (a, _) in zip(lo, region)], dtype=np.int64)
         base = int(start @ strides)
         if last == 0:
-            return np.array([base], np.int64)
-        grid = np.indices(box[:last], dtype=np.int64).reshape(last, -1)
-        return base + strides[:last] @ grid
+            out = np.array([base], np.int64)
+        else:
+            out = base + strides[:last] @ np.indices(box[:last], dtype=np.int64).reshape(last, -1)
+        out.flags.writeable = False
+        return out
 
     return offsets(have, src_shape), offsets(want, dst_shape), length
 
@@ -132,6 +137,9 @@ def copy_into(jobs: Sequence[tuple[Lent, np.ndarray, Index]], itemsize: int) -> 
             by_piece.setdefault(piece, []).append((src, dst + out.ctypes.data, np.full(len(src), length, np.int64)))
     calls = []
     for piece, parts in by_piece.items():
+        if len(parts) == 1:  # one destination: its runs are in the sender's order already, and disjoint
+            calls.extend(_calls(piece, *parts[0]))
+            continue
         src, dst, lengths = (np.concatenate(p) for p in zip(*parts))
         order = np.argsort(src, kind="stable")
         src, dst, lengths = src[order], dst[order], lengths[order]
@@ -150,6 +158,8 @@ def copy_into(jobs: Sequence[tuple[Lent, np.ndarray, Index]], itemsize: int) -> 
 
 def _calls(piece: Lent, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray) -> list[tuple]:
     """Cut sorted, non-overlapping runs into read calls of at most IOV_MAX segments and about CHUNK bytes."""
+    if len(src) == 1 and lengths[0] <= CHUNK:  # the common case: one whole shard
+        return [(piece.pid, _iovecs(dst, lengths), _iovecs(piece.addr + src, lengths), int(lengths[0]))]
     if lengths.max() > CHUNK:  # a long run becomes several, so threads can share it
         pieces = [np.arange(0, n, CHUNK, dtype=np.int64) for n in lengths]
         counts = np.array([len(p) for p in pieces])

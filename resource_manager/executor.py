@@ -9,6 +9,7 @@ the island's collectives in exactly the same order (gang scheduling).
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +28,7 @@ from resource_manager.devices import LocalDevices
 from resource_manager.direct import Lent, Peers
 from resource_manager.executables import ExecutableCache
 from resource_manager.scheduler import Scheduler
-from resource_manager.transfer import assemble, local_pieces
+from resource_manager.transfer import Landing, assemble, local_pieces
 
 READS = {"exec": "in", "send": "in", "reshard": "in"}
 WRITES = {"exec": "out", "recv": "out", "reshard": "out", "put": "id"}
@@ -304,7 +305,9 @@ class Executor:
         return True
 
     def _send(self, run: Run, op: dict) -> bool:
-        routes = [r for r in op["routes"] if r["host"] == self.host]
+        routes = op.get("_routes")
+        if routes is None:  # this host's routes of a template op: the same on every call
+            routes = op["_routes"] = [r for r in op["routes"] if r["host"] == self.host]
         if not routes:
             return True
         entries = self._entries(run, [op["in"]])
@@ -330,8 +333,9 @@ class Executor:
             direct = self.peers.send(island, route["to"], body, datas, self.op_timeout)
             nbytes = sum(d.nbytes for d in datas)
             self.bytes_out += nbytes
-            self.events.span("send shards", "send", start, time.time(), bytes=nbytes, dst_island=island,
-                             dst_host=route["to"], key=key, direct=direct)
+            if self.events.enabled:
+                self.events.span("send shards", "send", start, time.time(), bytes=nbytes, dst_island=island,
+                                 dst_host=route["to"], key=key, direct=direct)
 
     def deliver(self, msg: dict, datas: tuple) -> None:
         """Called by a peer's send (under self.cond): file the pieces until the recv op claims them."""
@@ -350,10 +354,26 @@ class Executor:
         if lent:
             self.peers.give_back(lent)
 
+    def _landing(self, run: Run, op: dict) -> tuple[int, Landing] | None:
+        """How many pieces a recv op expects on this host and where its array lands (None: nothing of it
+        lands here); worked out on the op's first run, as its template is the same on every call."""
+        if "_landing" not in op:
+            expect = dict(map(tuple, op["expect"])).get(self.host)
+            if expect is None:
+                op["_landing"] = None
+            else:
+                desc, spec = run.slices[op["slice"]], spec_from_wire(op["spec"])
+                shape = tuple(op["aval"]["shape"])
+                op["_landing"] = (expect, Landing(shape, dtype_from_wire(op["aval"]["dtype"]),
+                                                  self.devices.sharding(desc, spec),
+                                                  self.devices.wanted(desc, shape, spec)))
+        return op["_landing"]
+
     def _recv(self, run: Run, op: dict) -> bool:
-        expect = dict(map(tuple, op["expect"])).get(self.host)
-        if expect is None:
+        landing = self._landing(run, op)
+        if landing is None:
             return True
+        expect, where = landing
         out = run.rid(op["out"])
         box = self.mailbox.get(out)
         if box is not None and box.failure is not None:
@@ -366,11 +386,8 @@ class Executor:
             return False
         with self.cond:
             del self.mailbox[out]
-        desc, spec = run.slices[op["slice"]], spec_from_wire(op["spec"])
-        shape, dtype = op["aval"]["shape"], dtype_from_wire(op["aval"]["dtype"])
         try:
-            array = assemble(shape, dtype, self.devices.sharding(desc, spec),
-                             self.devices.wanted(desc, shape, spec), box.pieces, self.pool.take)
+            array = assemble(where, box.pieces, self.pool.take)
         except OSError as exc:
             raise IslandFailedError(f"copying the shards island {op['src']} lent to island {self.island} "
                                     f"(program {run.label!r}) failed: {exc}; the sending host died") from exc
@@ -378,7 +395,7 @@ class Executor:
             self._return_leases(box)
         lent = [p for p in box.pieces.values() if isinstance(p, Lent)]
         if lent:
-            nbytes = sum(int(np.prod([b - a for a, b in p.index])) for p in lent) * dtype.itemsize
+            nbytes = sum(math.prod(b - a for a, b in p.index) for p in lent) * where.dtype.itemsize
             self.bytes_in += nbytes
             self.bytes_in_direct += nbytes
         self.table.put(out, run.tenant, array)
@@ -391,13 +408,13 @@ class Executor:
         value = op["value"]
         spec = spec_from_wire(op["spec"])
         if isinstance(value, dict):  # this host's shards of a scattered put
-            shape, dtype, pieces = op["aval"]["shape"], dtype_from_wire(op["aval"]["dtype"]), value
+            shape, dtype, pieces = tuple(op["aval"]["shape"]), dtype_from_wire(op["aval"]["dtype"]), value
         else:
             shape, dtype = value.shape, value.dtype
             pieces = {tuple((0, n) for n in shape): value}
-        array = assemble(shape, dtype, self.devices.sharding(desc, spec), self.devices.wanted(desc, shape, spec),
-                         pieces, self.pool.take)
-        self.table.put(op["id"], run.tenant, array)
+        where = Landing(shape, np.dtype(dtype), self.devices.sharding(desc, spec),
+                        self.devices.wanted(desc, shape, spec))
+        self.table.put(op["id"], run.tenant, assemble(where, pieces, self.pool.take))
         return True
 
     def island_failed(self, island: int) -> None:

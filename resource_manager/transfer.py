@@ -11,7 +11,9 @@ pages of the host's own heap).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import jax
 import numpy as np
@@ -62,19 +64,30 @@ def region(pieces: dict[Index, np.ndarray | Lent], want: Index, dtype: np.dtype,
             src = tuple(slice(x - a, y - a) for (x, y), (a, _) in zip(shared, have))
             dst = tuple(slice(x - c, y - c) for (x, y), (c, _) in zip(shared, want))
             out[dst] = data[src]
-        filled += int(np.prod([y - x for x, y in shared]))
+        filled += math.prod(y - x for x, y in shared)
     if filled < out.size:
         raise ValueError(f"received pieces cover {filled} of the {out.size} elements of region {want}")
     return out
 
 
-def assemble(shape: Sequence[int], dtype: np.dtype, sharding: NamedSharding,
-             wanted: Sequence[tuple[jax.Device, Index]], pieces: dict[Index, np.ndarray | Lent],
-             alloc: Alloc = aligned_empty) -> jax.Array:
-    """A global array on ``sharding`` whose local devices get their regions from ``pieces``."""
+@dataclass(frozen=True)
+class Landing:
+    """Where an array received on this host goes: its global shape and dtype, its sharding, and each local
+    device's region. A recv op's landing is the same on every call, so the executor works it out once."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    sharding: NamedSharding
+    wanted: list[tuple[jax.Device, Index]]
+
+
+def assemble(landing: Landing, pieces: dict[Index, np.ndarray | Lent], alloc: Alloc = aligned_empty) -> jax.Array:
+    """A global array on ``landing.sharding`` whose local devices get their regions from ``pieces``."""
     lent: list = []
-    regions = [region(pieces, idx, dtype, alloc, lent) for _, idx in wanted]
+    regions = [region(pieces, idx, landing.dtype, alloc, lent) for _, idx in landing.wanted]
     if lent:
-        copy_into(lent, np.dtype(dtype).itemsize)
-    arrays = [jax.device_put(r, dev) for r, (dev, _) in zip(regions, wanted)]
-    return jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays)
+        copy_into(lent, landing.dtype.itemsize)
+    if len(regions) == 1 and len(landing.sharding.device_set) == 1:  # one device: no per-device arrays to join
+        return jax.device_put(regions[0], landing.sharding)
+    arrays = [jax.device_put(r, dev) for r, (dev, _) in zip(regions, landing.wanted)]
+    return jax.make_array_from_single_device_arrays(landing.shape, landing.sharding, arrays)

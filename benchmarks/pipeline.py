@@ -100,6 +100,7 @@ class Row:
     cores_busy: float | None = None
     speedup_vs_1: float | None = None
     stage0_activation_bytes: int | None = None
+    round_ms: list[float] | None = None  # ms per step in each timed round, in the order the rounds ran
 
 
 def cluster_cpu_s() -> float | None:
@@ -252,6 +253,7 @@ def measure(session: Any, setups: list[Setup], rounds: int, steps: int) -> None:
     for setup in setups:
         r = setup.row
         r.step_s = median(setup.times)
+        r.round_ms = [round(t * 1e3, 2) for t in setup.times]
         r.tokens_per_s = BATCH / r.step_s
         if setup.cpu is not None:
             r.cpu_ms = setup.cpu / setup.steps * 1e3
@@ -286,7 +288,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quick", action="store_true", help="fewer configurations and repetitions")
     parser.add_argument("--out", type=Path, default=default_out("pipeline"))
     args = parser.parse_args(argv)
-    rounds, steps = (4, 3) if args.quick else (7, 3)
+    rounds, steps = (6, 3) if args.quick else (10, 3)
     configs = {2: [2, 4, 8, 16], 4: [2, 4, 8, 16]} if not args.quick else {2: [4, 8], 4: [4, 8]}
     schedules = ("1f1b", "gpipe")
     cores = os.cpu_count() or 1

@@ -176,8 +176,10 @@ def _compile(schema: Any) -> Check:
                 except _Invalid as exc:
                     raise exc.within(f"[{i}]") from None
         return check_list
+    if tag != "map":
+        raise ValueError(f"unknown schema tag {tag!r} in {schema!r}")
 
-    def check_map(value: Any) -> None:  # ("map", value schema): any keys
+    def check_map(value: Any) -> None:  # any keys, each value checked
         if not isinstance(value, dict):
             raise _Invalid(f"expected a map, got {type(value).__name__}")
         for key, v in value.items():

@@ -146,7 +146,7 @@ def _compile(schema: Any) -> Check:
     if schema is ANY:
         return _accept
     if isinstance(schema, dict):
-        return _map_check(schema)
+        return _fields_check(schema)
     if not isinstance(schema, tuple):
         return _type_check(schema)
     tag, inner = schema[0], [_compile(s) for s in schema[1:]]
@@ -190,7 +190,7 @@ def _compile(schema: Any) -> Check:
     return check_map
 
 
-def _map_check(schema: dict) -> Check:
+def _fields_check(schema: dict) -> Check:
     fields = [(name, _compile(sub), isinstance(sub, tuple) and sub[0] == "opt") for name, sub in schema.items()]
 
     def check_fields(value: Any) -> None:
@@ -208,8 +208,8 @@ def _map_check(schema: dict) -> Check:
     return check_fields
 
 
-_MESSAGE_CHECKS = {kind: _map_check(schema) for kind, schema in MESSAGES.items()}
-_OP_CHECKS = {name: _map_check(schema) for name, schema in OPS.items()}
+_MESSAGE_CHECKS = {kind: _fields_check(schema) for kind, schema in MESSAGES.items()}
+_OP_CHECKS = {name: _fields_check(schema) for name, schema in OPS.items()}
 
 
 class TemplateCache:

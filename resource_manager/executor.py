@@ -12,12 +12,14 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from pathways.errors import IslandFailedError, TenantAccessError, to_wire
 from pathways.events import EventLog
@@ -362,12 +364,15 @@ class Executor:
             if expect is None:
                 op["_landing"] = None
             else:
-                desc, spec = run.slices[op["slice"]], spec_from_wire(op["spec"])
-                shape = tuple(op["aval"]["shape"])
-                op["_landing"] = (expect, Landing(shape, dtype_from_wire(op["aval"]["dtype"]),
-                                                  self.devices.sharding(desc, spec),
-                                                  self.devices.wanted(desc, shape, spec)))
+                op["_landing"] = (expect, self._land(run.slices[op["slice"]], spec_from_wire(op["spec"]),
+                                                     op["aval"]["shape"], dtype_from_wire(op["aval"]["dtype"])))
         return op["_landing"]
+
+    def _land(self, desc: dict, spec: PartitionSpec, shape: Sequence[int], dtype: np.dtype) -> Landing:
+        """Where an array of ``shape`` and ``dtype``, sharded by ``spec`` over slice ``desc``, lands here."""
+        shape = tuple(shape)
+        return Landing(shape, np.dtype(dtype), self.devices.sharding(desc, spec),
+                       self.devices.wanted(desc, shape, spec))
 
     def _recv(self, run: Run, op: dict) -> bool:
         landing = self._landing(run, op)
@@ -408,13 +413,11 @@ class Executor:
         value = op["value"]
         spec = spec_from_wire(op["spec"])
         if isinstance(value, dict):  # this host's shards of a scattered put
-            shape, dtype, pieces = tuple(op["aval"]["shape"]), dtype_from_wire(op["aval"]["dtype"]), value
+            shape, dtype, pieces = op["aval"]["shape"], dtype_from_wire(op["aval"]["dtype"]), value
         else:
             shape, dtype = value.shape, value.dtype
             pieces = {tuple((0, n) for n in shape): value}
-        where = Landing(shape, np.dtype(dtype), self.devices.sharding(desc, spec),
-                        self.devices.wanted(desc, shape, spec))
-        self.table.put(op["id"], run.tenant, assemble(where, pieces, self.pool.take))
+        self.table.put(op["id"], run.tenant, assemble(self._land(desc, spec, shape, dtype), pieces, self.pool.take))
         return True
 
     def island_failed(self, island: int) -> None:

@@ -5,8 +5,9 @@ It admits fragments in the island scheduler's sequence order, runs them, sends
 shards straight to other islands' hosts, and serves fetches with a timeout.
 Host 0 also holds the island's scheduler and serves its methods (clients'
 messages, the resource manager's grants) on a thread of their own, the
-``schedule`` concurrency group, so they keep their order and never wait
-behind fetches.
+``schedule`` concurrency group, so they never wait behind fetches. Ray does
+not keep the order of a threaded actor's calls, so clients number their
+messages and the scheduler restores the order.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from resource_manager.buffers import BufferTable, Failure
 from resource_manager.executables import ExecutableCache
 from resource_manager.scheduler import Scheduler
 
-SCHEDULE = "schedule"  # the concurrency group of the scheduler's methods: one thread, in arrival order
+SCHEDULE = "schedule"  # the concurrency group of the scheduler's methods: one thread of their own
 
 
 log = logging.getLogger(__name__)

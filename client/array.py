@@ -15,19 +15,21 @@ from jax.sharding import PartitionSpec as P
 
 from client.session import Session, current
 from client.slices import VirtualSlice
-from pathways import wire
-from pathways.errors import PathwaysError, ProgramError
+from pathways.errors import IslandFailedError, PathwaysError, ProgramError
+from pathways.messages import Fetch, Put
+from pathways.ops import Aval, SliceDesc, spec_of
 from pathways.sharding import check_spec, device_indices, spec_to_wire
 
 
 class Array:
     """A future for an array on a virtual slice, sharded by ``spec``."""
 
-    __slots__ = ("id", "shape", "dtype", "slice", "spec", "islands", "_session", "_value", "__weakref__")
+    __slots__ = ("id", "shape", "dtype", "slice", "spec", "islands", "epoch", "_session", "_value", "__weakref__")
 
     def __init__(self, session: Session, buffer_id: int, shape: tuple[int, ...], dtype: np.dtype,
-                 slice: VirtualSlice, spec: P, islands: frozenset[int]) -> None:  # noqa: A002
+                 slice: VirtualSlice, spec: P, islands: frozenset[int], epoch: int = 0) -> None:  # noqa: A002
         self._session = session
+        self.epoch = epoch  # the island's restart count when the buffer was made: a restart loses it
         self.id = buffer_id
         self.shape = tuple(shape)
         self.dtype = np.dtype(dtype)
@@ -48,12 +50,21 @@ class Array:
     def nbytes(self) -> int:
         return self.size * self.dtype.itemsize
 
+    def check_alive(self) -> None:
+        """IslandFailedError if the island restarted since this array was made (its buffers were lost)."""
+        s = self._session
+        if s.epoch(self.slice.island) != self.epoch and self._value is None:
+            raise IslandFailedError(f"{self} was lost: island {self.slice.island} restarted after it failed, with "
+                                    "empty buffers (pw.status() says when and why); compute it again")
+
     def _request(self, timeout: float | None, ready_only: bool) -> list:
         s = self._session
+        self.check_alive()
         t = s.timeouts.fetch if timeout is None else float(timeout)
-        payload = wire.encode("fetch", {"tenant": s.tenant, "id": self.id, "timeout": t, "ready_only": ready_only})
+        payload = Fetch(self.id, t, ready_only).encode()
+        mac = s.sign("fetch", payload)
         hosts = self.slice.hosts
-        refs = [h.fetch.remote(payload) for h in s.hosts_of(self.slice.island, hosts)]
+        refs = [h.fetch.remote(s.client_id, payload, mac) for h in s.hosts_of(self.slice.island, hosts)]
         what = f"fetching {self.dtype.name}{list(self.shape)} (buffer {self.id}) from island {self.slice.island}"
         return s.wait(refs, self.islands, t, what)
 
@@ -110,23 +121,25 @@ def put(value: Any, slice: VirtualSlice, spec: P | None = None) -> Array:  # noq
     array = np.asarray(array, dtype=dtype, order="C")  # (np.ascontiguousarray would make a 0-d array 1-d)
     check_spec(spec, array.shape, slice.shape, slice.axis_names, "pw.put")
     buffer_id = session.mint()
-    msg = {"tenant": session.tenant, "client": session.client_id, "id": buffer_id, "slice": slice.desc(),
-           "spec": spec_to_wire(spec), "aval": {"shape": list(array.shape), "dtype": dtype.name}}
+    aval = Aval(tuple(array.shape), dtype.name)
     if len(slice.hosts) == 1:
         refs = [ray.put(array)]
+        per_host = False
     else:  # scatter: each host of the slice receives only the shards its devices hold
         regions = owned_regions(array.shape, slice.desc(), spec)
         refs = [ray.put({index: np.asarray(array[tuple(np.s_[a:b] for a, b in index)], order="C")
                          for index in regions[h]}) for h in slice.hosts]
-        msg["per_host"] = True
-    session.submit(slice.island, wire.encode("put", msg), refs)
-    return Array(session, buffer_id, array.shape, dtype, slice, spec, frozenset({slice.island}))
+        per_host = True
+    msg = Put(buffer_id, slice.desc(), spec_of(spec_to_wire(spec)), aval, per_host)
+    session.submit(slice.island, msg.encode(), refs)
+    return Array(session, buffer_id, array.shape, dtype, slice, spec, frozenset({slice.island}),
+                 session.epoch(slice.island))
 
 
-def owned_regions(shape: tuple[int, ...], desc: dict, spec: P) -> dict[int, set]:
+def owned_regions(shape: tuple[int, ...], desc: SliceDesc, spec: P) -> dict[int, set]:
     """The distinct regions each host of a slice holds."""
     out: dict[int, set] = {}
-    for (host, _), index in zip(desc["devices"], device_indices(shape, desc, spec)):
+    for (host, _), index in zip(desc.devices, device_indices(shape, desc, spec)):
         out.setdefault(host, set()).add(index)
     return out
 

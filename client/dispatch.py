@@ -17,8 +17,8 @@ from client.array import Array
 from client.lowering import lower, placement_of
 from client.session import current
 from client.tracer import Traced
-from pathways import wire
 from pathways.errors import ProgramError
+from pathways.messages import Call
 
 
 def dispatch(traced: Traced, leaves: list) -> Any:
@@ -28,6 +28,7 @@ def dispatch(traced: Traced, leaves: list) -> Any:
     for a in inputs:
         if a.slice.released:
             raise ProgramError(f"{a} lives on slice {a.slice.key}, which was released; its buffers are gone")
+        a.check_alive()
     lowered = traced.lowered
     if lowered is None or lowered.placement != placement_of(program):
         start = time.time()
@@ -40,9 +41,7 @@ def dispatch(traced: Traced, leaves: list) -> Any:
     for island, fragment in lowered.fragments.items():
         sent = session.sent_exes[island]
         exes = {h: b for h, b in fragment.exes.items() if h not in sent}
-        payload = wire.encode("call", {"tenant": session.tenant, "client": session.client_id,
-                                       "template": fragment.template, "base": base, "inputs": input_ids,
-                                       "exes": exes, "frees": session.frees.take(island)})
+        payload = Call(fragment.encoded, base, tuple(input_ids), exes, tuple(session.frees.take(island))).encode()
         session.submit(island, payload)
         sent.update(exes)
     if session.events.enabled:
@@ -55,5 +54,5 @@ def dispatch(traced: Traced, leaves: list) -> Any:
             outputs.append(inputs[value.slot])
         else:
             outputs.append(Array(session, base + value.slot, value.shape, value.dtype, value.slice, value.spec,
-                                 lineage))
+                                 lineage, session.epoch(value.slice.island)))
     return jax.tree_util.tree_unflatten(program.out_tree, outputs)

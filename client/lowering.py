@@ -1,29 +1,34 @@
-"""Lowering: a location-agnostic Program -> one Fragment template per island.
+"""Lowering: a location-agnostic Program -> one fragment template per island.
 
-A fragment lists its island's ops in order: computations, the sends and
-receives of every value crossing islands, and local reshards; each op
-carries the intermediates to free right after it (their last use there). Ops name values by *slot*; each
-call supplies the ids (inputs, plus a fresh block minted by the client), so
-one encoded template serves every call until the slice placement changes.
+A fragment lists its island's ops (``pathways.ops``) in order: computations,
+the sends and receives of every value crossing islands, and local reshards;
+each op carries the intermediates to free right after it (their last use
+there). Ops name values by *slot*; each call supplies the ids (inputs, plus a
+fresh block minted by the client), so one encoded template serves every call
+until the slice placement changes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from pathways import wire
 from pathways.graph import Compute, Program, Transfer, Value
+from pathways.ops import Exec, Expect, Op, Recv, Reshard, Route, Send, SliceDesc, Template, spec_of
 from pathways.sharding import plan_transfer, spec_to_wire
 
 
 @dataclass(frozen=True)
 class Fragment:
-    """One island's share of a program: encoded ops plus the executables they call."""
+    """One island's share of a program: its template (typed and encoded) plus the executables it calls."""
 
     island: int
-    template: bytes
+    template: Template
+    encoded: bytes
     exes: dict[str, bytes]
-    ops: list[dict]
+
+    @property
+    def ops(self) -> tuple[Op, ...]:
+        return self.template.ops
 
 
 @dataclass(frozen=True)
@@ -46,20 +51,21 @@ def _same_host(a: Value, b: Value) -> bool:
 
 
 def lower(program: Program, exes: dict[str, bytes]) -> Lowered:
-    ops: dict[int, list[dict]] = {}
-    slices: dict[int, dict[str, dict]] = {}
+    """One fragment per island the program touches; sends go right after their value's producer."""
+    ops: dict[int, list[Op]] = {}
+    slices: dict[int, dict[str, SliceDesc]] = {}
     used_exes: dict[int, dict[str, bytes]] = {}
     produced_at: dict[tuple[int, int], int] = {}  # (island, slot) -> index of the op that produced it
-    sends_after: dict[int, dict[int, list[dict]]] = {}  # island -> op index (-1: start) -> sends
+    sends_after: dict[int, dict[int, list[Op]]] = {}  # island -> op index (-1: start) -> sends
 
-    def emit(island: int, op: dict, *values: Value) -> None:
+    def emit(island: int, op: Op, *values: Value) -> None:
         island_ops = ops.setdefault(island, [])
         for v in values:
             slices.setdefault(island, {})[v.slice.key] = v.slice.desc()
             produced_at[(island, v.slot)] = len(island_ops)
         island_ops.append(op)
 
-    def emit_send(island: int, op: dict, source: Value) -> None:
+    def emit_send(island: int, op: Send, source: Value) -> None:
         """Sends run on a background thread, so each goes right after its value's producer."""
         ops.setdefault(island, [])
         position = produced_at.get((island, source.slot), -1)
@@ -68,23 +74,23 @@ def lower(program: Program, exes: dict[str, bytes]) -> Lowered:
     for node in program.nodes:
         if isinstance(node, Compute):
             island = node.slice.island
-            emit(island, {"op": "exec", "exe": node.exe, "slice": node.slice.key, "name": node.name,
-                          "in": [v.slot for v in node.inputs], "out": [v.slot for v in node.outputs],
-                          "in_specs": [spec_to_wire(s) for s in node.in_specs],
-                          "out_specs": [spec_to_wire(s) for s in node.out_specs]}, *node.outputs)
+            emit(island, Exec(node.exe, node.slice.key, tuple(v.slot for v in node.inputs),
+                              tuple(v.slot for v in node.outputs),
+                              tuple(spec_of(spec_to_wire(s)) for s in node.in_specs),
+                              tuple(spec_of(spec_to_wire(s)) for s in node.out_specs), node.name,
+                              donate=getattr(node, "donate", ())), *node.outputs)
             used_exes.setdefault(island, {})[node.exe] = exes[node.exe]
         elif isinstance(node, Transfer):
             src, dst = node.source, node.target
+            dst_spec = spec_of(spec_to_wire(dst.spec))
             if _same_host(src, dst):
-                emit(dst.slice.island, {"op": "reshard", "in": src.slot, "out": dst.slot, "slice": dst.slice.key,
-                                        "spec": spec_to_wire(dst.spec)}, dst)
+                emit(dst.slice.island, Reshard(src.slot, dst.slot, dst.slice.key, dst_spec), dst)
                 continue
-            routes, expect = plan_transfer(src.shape, src.slice.desc(), src.spec, dst.slice.desc(), dst.spec)
-            emit_send(src.slice.island, {"op": "send", "in": src.slot, "key": dst.slot,
-                                         "island": dst.slice.island, "routes": routes}, src)
-            emit(dst.slice.island, {"op": "recv", "out": dst.slot, "slice": dst.slice.key,
-                                    "spec": spec_to_wire(dst.spec), "src": src.slice.island, "expect": expect,
-                                    "aval": {"shape": list(dst.shape), "dtype": dst.dtype.name}}, dst)
+            routes, expects = plan_transfer(src.shape, src.slice.desc(), src.spec, dst.slice.desc(), dst.spec)
+            emit_send(src.slice.island, Send(src.slot, dst.slot, dst.slice.island,
+                                             tuple(Route(h, to, tuple(shards)) for h, to, shards in routes)), src)
+            emit(dst.slice.island, Recv(dst.slot, dst.slice.key, dst_spec, dst.aval(), src.slice.island,
+                                        tuple(Expect(to, n, tuple(senders)) for to, n, senders in expects)), dst)
     n_inputs = len(program.inputs)
     keep = {v.slot for v in program.outputs} | set(range(n_inputs))
     fragments = {}
@@ -94,35 +100,20 @@ def lower(program: Program, exes: dict[str, bytes]) -> Lowered:
         for i, op in enumerate(island_ops):
             placed.append(op)
             placed.extend(after.get(i, []))
-        island_ops = _with_frees(placed, keep)
-        template = wire.encode("template", {"program": program.name, "n_inputs": n_inputs,
-                                            "n_values": len(program.values),
-                                            "slices": slices.get(island, {}), "ops": island_ops})
-        fragments[island] = Fragment(island, template, used_exes.get(island, {}), island_ops)
+        template = Template(program.name, n_inputs, len(program.values), slices.get(island, {}),
+                            tuple(with_frees(placed, keep)))
+        fragments[island] = Fragment(island, template, template.encode(), used_exes.get(island, {}))
     return Lowered(n_inputs, len(program.values), fragments, placement_of(program))
 
 
-def _reads(op: dict) -> list[int]:
-    if op["op"] == "exec":
-        return op["in"]
-    if op["op"] in ("send", "reshard"):
-        return [op["in"]]
-    return []
-
-
-def _writes(op: dict) -> list[int]:
-    out = op.get("out", [])
-    return out if isinstance(out, list) else [out]
-
-
-def _with_frees(ops: list[dict], keep: set[int]) -> list[dict]:
+def with_frees(ops: list[Op], keep: set[int]) -> list[Op]:
     """Attach to each op the intermediates whose last touch on this island it is: freed right after it."""
     last: dict[int, int] = {}
     for i, op in enumerate(ops):
-        for slot in _reads(op) + _writes(op):
+        for slot in op.touches():
             if slot not in keep:
                 last[slot] = i
     frees: dict[int, list[int]] = {}
     for slot, i in last.items():
         frees.setdefault(i, []).append(slot)
-    return [{**op, "frees": sorted(frees[i])} if i in frees else op for i, op in enumerate(ops)]
+    return [replace(op, frees=tuple(sorted(frees[i]))) if i in frees else op for i, op in enumerate(ops)]

@@ -20,10 +20,13 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, wait
 from typing import Any
 
 from ray.exceptions import RayActorError
+
+Sign = Callable[..., bytes]  # the session's signature: sign(purpose, *parts)
 
 log = logging.getLogger(__name__)
 
@@ -31,9 +34,10 @@ log = logging.getLogger(__name__)
 class Outbox:
     """The messages to one island's scheduler; at most ``unanswered`` sent and not answered at a time."""
 
-    def __init__(self, scheduler: Any, client: int, wake: threading.Event, unanswered: int) -> None:
+    def __init__(self, scheduler: Any, client: int, sign: Sign, wake: threading.Event, unanswered: int) -> None:
         self._scheduler = scheduler
         self._client = client
+        self._sign = sign
         self._sent = 0  # messages handed to Ray so far: the number of the next one
         self._wake = wake
         self._unanswered = unanswered
@@ -58,7 +62,9 @@ class Outbox:
         if not self._held or len(answers) >= self._unanswered:
             return
         held, self._held = self._held, []
-        ref = self._scheduler.submit_batch.remote(self._client, self._sent, held)
+        parts = [p for payload, refs in held for p in (payload, *[r.binary() for r in refs or ()])]
+        mac = self._sign("submit", self._sent, *parts)
+        ref = self._scheduler.submit_batch.remote(self._client, self._sent, [(p, list(r or ())) for p, r in held], mac)
         self._sent += len(held)
         answer = ref.future()
         answers.append(answer)
@@ -87,15 +93,20 @@ class Outbox:
 class Outboxes:
     """One outbox per island and the thread that sends held messages when no dispatch comes to send them."""
 
-    def __init__(self, schedulers: list[Any], client: int, unanswered: int = 2) -> None:
+    def __init__(self, schedulers: list[Any], client: int, sign: Sign, unanswered: int = 2) -> None:
         self._wake = threading.Event()
-        self._boxes = [Outbox(s, client, self._wake, unanswered) for s in schedulers]
+        self._client, self._sign, self._unanswered = client, sign, unanswered
+        self._boxes = [Outbox(s, client, sign, self._wake, unanswered) for s in schedulers]
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="pathways-outbox", daemon=True)
         self._thread.start()
 
     def put(self, island: int, payload: bytes, refs: list | None) -> None:
         self._boxes[island].put(payload, refs)
+
+    def replace(self, island: int, scheduler: Any) -> None:
+        """A restarted island's new scheduler: its stream starts again at message 0."""
+        self._boxes[island] = Outbox(scheduler, self._client, self._sign, self._wake, self._unanswered)
 
     def _run(self) -> None:
         while True:

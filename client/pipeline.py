@@ -480,8 +480,7 @@ def _replay(graph: Program, lowered: Any, tags: dict[int, int], stages: list[Sta
     for fragment in lowered.fragments.values():
         live: dict[int, Any] = {}
         for op in fragment.ops:
-            outs = op.get("out", [])
-            for slot in outs if isinstance(outs, list) else [outs]:
+            for slot in op.writes():
                 if slot in tags and value[slot].slice.key in stage_of:
                     live[slot] = value[slot]
             for k in peaks:
@@ -489,7 +488,7 @@ def _replay(graph: Program, lowered: Any, tags: dict[int, int], stages: list[Sta
                 micro = len({tags[s] for s in mine})
                 nbytes = sum(live[s].nbytes for s in mine)
                 peaks[k] = [max(peaks[k][0], micro), max(peaks[k][1], len(mine)), max(peaks[k][2], nbytes)]
-            for slot in op.get("frees", []):
+            for slot in op.frees:
                 live.pop(slot, None)
     return [StageMemory(k, st.slice.island, st.slice.key, *peaks[k]) for k, st in enumerate(stages)]
 

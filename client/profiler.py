@@ -47,19 +47,23 @@ def chrome_events(raw: list, pid: int, tid: int, offset: float) -> list[dict]:
 def trace(path: str | os.PathLike) -> Iterator[None]:
     """Record every island's hosts and this client while the block runs; write a trace file at ``path``.
 
-    Open the file in https://ui.perfetto.dev (or chrome://tracing).
+    Open the file in https://ui.perfetto.dev (or chrome://tracing). Spans of other tenants that shared the
+    islands meanwhile appear as anonymous "another tenant" spans.
     """
     session = current()
     hosts = [(isl.index, h, host) for isl in session.islands if isl.index not in session.dead
              for h, host in enumerate(isl.hosts)]
     offsets = clock_offsets(session)
-    ray.get([host.trace_start.remote() for _, _, host in hosts], timeout=session.timeouts.poll * 10)
-    session.events.start()
+    start_mac, stop_mac = session.sign("trace_start"), session.sign("trace_stop")
+    ray.get([host.trace_start.remote(session.client_id, start_mac) for _, _, host in hosts],
+            timeout=session.timeouts.poll * 10)
+    token = session.events.start()
     try:
         yield
     finally:
-        client_events = session.events.stop()
-        recorded = ray.get([host.trace_stop.remote() for _, _, host in hosts], timeout=session.timeouts.fetch)
+        client_events = session.events.stop(token)
+        recorded = ray.get([host.trace_stop.remote(session.client_id, stop_mac) for _, _, host in hosts],
+                           timeout=session.timeouts.fetch)
         write_trace(path, session, hosts, recorded, client_events, offsets)
 
 

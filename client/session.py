@@ -1,8 +1,9 @@
-"""The client session: the connection to the cluster, the tenant, and the ids this client mints.
+"""The client session: the connection to the cluster, the tenant it proved, and the ids this client mints.
 
 ``pw.init`` makes one per process (like ``ray.init``); every other call finds
 it with ``current()``. Its options are fixed at init: there is no global
-configuration to mutate.
+configuration to mutate. The session's key (from the resource manager) signs
+every message this client sends, so no other process can speak for it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -22,11 +24,30 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from client.outbox import Outboxes
-from pathways import wire
-from pathways.errors import IslandFailedError, PathwaysError, ResourceError, from_wire
+from client.runtime import connect, find_runtime, start_runtime
+from pathways import auth, wire
+from pathways.errors import IslandFailedError, PathwaysError, TenantAccessError, from_wire
 from pathways.events import EventLog
-from pathways.names import CLIENT_ID_BITS, FETCH_TIMED_OUT, NAMESPACE, RESOURCE_MANAGER, host_name
+from pathways.messages import CLIENT_ID_BITS, Free
+from pathways.names import FETCH_TIMED_OUT, NAMESPACE
 from pathways.topology import Topology
+
+TENANT_ENV = "PATHWAYS_TENANT"
+CREDENTIAL_ENV = "PATHWAYS_CREDENTIAL"
+TICKET_ENV = "PATHWAYS_TICKET"
+HOME_ENV = "PATHWAYS_HOME"
+REFRESH_S = 1.0  # how often a client asks whether a failed island has restarted
+RPC_GRACE_S = 5.0  # a host's answer may take this long beyond the wait it enforces
+log = logging.getLogger(__name__)
+
+
+def home() -> Path:
+    """Where the ``pathways`` command keeps its state and credentials (``$PATHWAYS_HOME``, default ~/.pathways)."""
+    return Path(os.environ.get(HOME_ENV) or Path.home() / ".pathways")
+
+
+def credential_file(tenant: str) -> Path:
+    return home() / "credentials" / tenant
 
 
 @dataclass(frozen=True)
@@ -42,42 +63,61 @@ class Timeouts:
 @dataclass
 class IslandClient:
     index: int
-    scheduler: Any  # host 0, which holds the island's scheduler
     hosts: list[Any]
+    epoch: int
+
+    @property
+    def scheduler(self) -> Any:  # host 0 holds the island's scheduler
+        return self.hosts[0]
 
 
 class Session:
-    def __init__(self, rm: Any, tenant: str, weight: float, timeouts: Timeouts, owns_ray: bool) -> None:
+    """A client's session: proves its tenant once, then signs every message with the session key."""
+
+    def __init__(self, rm: Any, tenant: str, timeouts: Timeouts, owns_ray: bool, credential: str | None = None,
+                 ticket: str | None = None, admin_credential: str | None = None) -> None:
         self.rm = rm
-        self.tenant = tenant
-        self.weight = weight
         self.timeouts = timeouts
         self.owns_ray = owns_ray
+        self.admin_credential = admin_credential
         from resource_manager.lease import Lease
 
         # On this process's node: a lease on another node would die with that node and get us reclaimed.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self.lease = ray.remote(Lease).options(num_cpus=0, namespace=NAMESPACE, scheduling_strategy=here).remote()
-        reg = self.rm_call("register", "register", {"tenant": tenant, "pid": os.getpid(), "weight": weight},
-                           self.lease)
-        self.client_id: int = reg["client"]
-        self.topology = Topology.from_wire(reg["topology"])
-        hosts = [[ray.get_actor(host_name(i, h), namespace=NAMESPACE) for h in range(self.topology.hosts_per_island)]
-                 for i in range(self.topology.islands)]
-        self.islands = [IslandClient(i, hs[0], hs) for i, hs in enumerate(hosts)]
+        body = {"tenant": tenant, "pid": os.getpid(), "job": os.environ.get("RAY_JOB_SUBMISSION_ID", "")}
+        body.update({"ticket": ticket} if ticket else {"credential": credential})
+        try:
+            raw, handles = ray.get(rm.open_session.remote(wire.encode("open", body), self.lease),
+                                   timeout=timeouts.start)
+        except GetTimeoutError:
+            raise PathwaysError(f"the resource manager did not answer within {timeouts.start:.0f}s") from None
+        except RayActorError as exc:
+            raise PathwaysError(f"the resource manager is gone ({exc}); restart the cluster") from None
+        reply = _value(raw)
+        self.client_id: int = reply["client"]
+        self._key: bytes = reply["key"]
+        self.tenant: str = reply["tenant"]
+        self.weight: float = reply["weight"]
+        self.topology = Topology.from_wire(reply["topology"])
+        self.host_info = [isl["hosts"] for isl in reply["islands"]]
+        self.islands = [IslandClient(i["index"], hosts, i["epoch"]) for i, hosts in zip(reply["islands"], handles)]
         # The first call to an actor resolves its handle (~0.5 s); pay that now, not on the first put.
-        ray.get([i.scheduler.ping.remote() for i in self.islands], timeout=timeouts.start)
+        ray.get([i.scheduler.ping.remote() for i in self.islands if reply["islands"][i.index]["healthy"]],
+                timeout=timeouts.start)
         self._counter = itertools.count(1)
         self._id_lock = threading.Lock()
         self.sent_exes: list[set[str]] = [set() for _ in self.islands]
         self.dead: dict[int, str] = {}
+        self._refreshed = [0.0 for _ in self.islands]
         self.slices: dict[str, Any] = {}
-        self.outboxes = Outboxes([i.scheduler for i in self.islands], self.client_id)
+        self.outboxes = Outboxes([i.scheduler for i in self.islands], self.client_id, self.sign)
         self.frees = FreeBatcher(self)
         self.events = EventLog()
+        self._trace_token: int | None = None
         self.closed = False
 
-    # -- ids ----------------------------------------------------------------------------------------
+    # -- ids and signatures -------------------------------------------------------------------------------
     def mint(self, n: int = 1) -> int:
         """Reserve ``n`` consecutive buffer ids; the first is returned. Ids never repeat in a cluster."""
         with self._id_lock:
@@ -86,41 +126,73 @@ class Session:
                 next(self._counter)
         return (self.client_id << CLIENT_ID_BITS) | start
 
-    # -- messages -----------------------------------------------------------------------------------
-    def rm_call(self, method: str, kind: str, body: dict, *extra: Any) -> Any:
+    def sign(self, purpose: str, *parts: Any) -> bytes:
+        """This session's signature over a message (``pathways.auth.sign`` under the session key)."""
+        return auth.sign(self._key, purpose, *parts)
+
+    # -- messages -----------------------------------------------------------------------------------------
+    def request(self, kind: str, body: dict) -> Any:
+        """A signed request to the resource manager (allocate, release, close, state, suspect)."""
         payload = wire.encode(kind, body)
+        return self._rm(self.rm.request.remote(self.client_id, payload, self.sign("rm", payload)), kind)
+
+    def _rm(self, ref: Any, what: str) -> Any:
         try:
-            raw = ray.get(getattr(self.rm, method).remote(payload, *extra), timeout=self.timeouts.start)
+            raw = ray.get(ref, timeout=self.timeouts.start)
         except GetTimeoutError:
-            raise PathwaysError(f"the resource manager did not answer {method} within "
+            raise PathwaysError(f"the resource manager did not answer {what} within "
                                 f"{self.timeouts.start:.0f}s") from None
         except RayActorError as exc:
             raise PathwaysError(f"the resource manager is gone ({exc}); restart the cluster") from None
-        msg = wire.decode(raw, "reply")
-        if not msg["ok"]:
-            raise from_wire(*msg["value"])
-        return msg["value"]
+        return _value(raw)
 
     def submit(self, island: int, payload: bytes, refs: list | None = None) -> None:
         """Hand one message to an island's scheduler without waiting for it (in order; see ``client.outbox``)."""
-        if island in self.dead:
-            raise IslandFailedError(f"island {island} has failed ({self.dead[island]}); allocate a new slice")
+        if island in self.dead and not self.refresh(island):
+            raise IslandFailedError(f"island {island} has failed ({self.dead[island]}); it has not restarted yet")
         self.outboxes.put(island, payload, refs)
 
     def hosts_of(self, island: int, host_ids: Sequence[int]) -> list[Any]:
         return [self.islands[island].hosts[h] for h in host_ids]
 
-    # -- waiting ------------------------------------------------------------------------------------
+    def epoch(self, island: int) -> int:
+        return self.islands[island].epoch
+
+    # -- islands that fail and restart --------------------------------------------------------------------
+    def refresh(self, island: int) -> bool:
+        """Whether ``island`` has restarted since it failed here; if so, talk to its new hosts from now on."""
+        now = time.monotonic()
+        if now - self._refreshed[island] < REFRESH_S:
+            return island not in self.dead
+        self._refreshed[island] = now
+        try:
+            epochs, handles = ray.get(self.rm.hosts.remote(self.client_id, self.sign("hosts")),
+                                      timeout=self.timeouts.poll * 10)
+        except Exception:  # the resource manager is busy or gone: the island counts as failed for now
+            return False
+        for k, (epoch, hosts) in enumerate(zip(epochs, handles)):
+            if epoch > self.islands[k].epoch:
+                self.islands[k] = IslandClient(k, hosts, epoch)
+                self.sent_exes[k] = set()  # the new hosts have none of the executables
+                self.outboxes.replace(k, hosts[0])
+                self.dead.pop(k, None)
+        return island not in self.dead
+
+    # -- waiting ------------------------------------------------------------------------------------------
     def wait(self, refs: list, islands: frozenset[int], timeout: float | None, what: str) -> list:
-        """ray.get with a deadline, raising IslandFailedError as soon as an island it depends on dies."""
+        """ray.get with a deadline, raising IslandFailedError as soon as an island it depends on dies.
+
+        The hosts enforce ``timeout`` themselves (a value that is there returns even with 0); this side
+        allows the calls ``RPC_GRACE_S`` more to come back."""
         timeout = self.timeouts.fetch if timeout is None else timeout
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + timeout + RPC_GRACE_S
         pending = list(refs)
         while pending:
             remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=max(0.0, min(self.timeouts.poll,
+                                                                                          remaining)))
+            if pending and time.monotonic() >= deadline:
                 raise self._timed_out(what, timeout, islands)
-            _, pending = ray.wait(pending, num_returns=len(pending), timeout=min(self.timeouts.poll, remaining))
             if pending:
                 self.check_islands(islands)
         out = []
@@ -143,7 +215,8 @@ class Session:
     def _timed_out(self, what: str, timeout: float, islands: frozenset[int]) -> IslandFailedError:
         """The timeout error, saying where this tenant's unfinished fragments on ``islands`` stopped."""
         hosts = [host for i in sorted(islands) for host in self.islands[i].hosts]
-        refs = [host.stalled.remote(self.tenant) for host in hosts]
+        mac = self.sign("stalled")
+        refs = [host.stalled.remote(self.client_id, mac) for host in hosts]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.timeouts.poll)
         lines = []
         for ref in refs:
@@ -168,7 +241,7 @@ class Session:
                                  f"did not produce it (overloaded or stuck)" + (f": {detail}" if detail else ""))
 
     def check_islands(self, islands: frozenset[int]) -> None:
-        """Ping every host of ``islands``; a dead one marks its island failed everywhere and raises."""
+        """Ping every host of ``islands``; a dead one marks its island failed here and raises."""
         for i in sorted(islands):
             if i in self.dead:
                 raise IslandFailedError(f"island {i} has failed: {self.dead[i]}")
@@ -179,21 +252,21 @@ class Session:
                 ray.get(ref, timeout=0)
             except GetTimeoutError:
                 continue
-            except Exception as exc:  # the actor is dead or unreachable
-                self.island_failed(i, f"host {h} died ({type(exc).__name__})")
-                raise IslandFailedError(f"island {i} failed: host {h} died") from None
+            except Exception as exc:  # the actor is dead or unreachable, or its host can no longer run
+                reason = str(exc.cause) if isinstance(exc, RayTaskError) and exc.cause else type(exc).__name__
+                self.island_failed(i, f"host {h}: {reason}")
+                raise IslandFailedError(f"island {i} failed: host {h}: {reason}") from None
 
     def island_failed(self, island: int, reason: str) -> None:
+        """This client saw ``island`` fail: stop sending to it, and ask the resource manager to check it."""
         if island in self.dead:
             return
         self.dead[island] = reason
-        self.rm.mark_unhealthy.remote(wire.encode("unhealthy", {"island": island, "reason": reason}))
-        for other in self.islands:
-            if other.index != island and other.index not in self.dead:
-                for host in other.hosts:
-                    host.island_failed.remote(island)
+        self._refreshed[island] = time.monotonic()
+        payload = wire.encode("suspect", {"island": island, "reason": reason[:500]})
+        self.rm.request.remote(self.client_id, payload, self.sign("rm", payload))
 
-    # -- teardown -----------------------------------------------------------------------------------
+    # -- teardown -----------------------------------------------------------------------------------------
     def close(self) -> None:
         if self.closed:
             return
@@ -201,13 +274,19 @@ class Session:
         self.frees.stop()
         for island in self.islands:
             if island.index not in self.dead:
-                self.submit(island.index, wire.encode("free", {"tenant": self.tenant, "client": self.client_id,
-                                                               "ids": [], "everything": True}))
+                self.outboxes.put(island.index, Free((), everything=True).encode(), None)
         self.outboxes.close(self.timeouts.op, skip=set(self.dead))
         try:
-            self.rm_call("unregister", "unregister", {"client": self.client_id})
+            self.request("close", {})
         except PathwaysError as exc:
-            logging.getLogger(__name__).warning("could not unregister from the resource manager: %s", exc)
+            log.warning("could not close the session at the resource manager: %s", exc)
+
+
+def _value(raw: bytes) -> Any:
+    msg = wire.decode(raw, "reply")
+    if not msg["ok"]:
+        raise from_wire(*msg["value"])
+    return msg["value"]
 
 
 class FreeBatcher:
@@ -239,15 +318,14 @@ class FreeBatcher:
         for island in range(len(self._pending)):
             ids = self.take(island)
             if ids and island not in self._session.dead:
-                s = self._session
-                s.submit(island, wire.encode("free", {"tenant": s.tenant, "client": s.client_id, "ids": ids}))
+                self._session.submit(island, Free(tuple(ids)).encode())
 
     def _run(self, interval: float) -> None:
         while not self._stop.wait(interval):
             try:
                 self.flush()
             except Exception as exc:  # never let the flusher die silently
-                logging.getLogger(__name__).warning("freeing buffers failed: %s", exc)
+                log.warning("freeing buffers failed: %s", exc)
 
     def stop(self) -> None:
         self._stop.set()
@@ -265,81 +343,65 @@ def current() -> Session:
 
 
 def init(topology: Topology | None = None, address: str | None = None, *, tenant: str | None = None,
-         weight: float = 1.0, timeouts: Timeouts | None = None, default_quota: int | None = None) -> Session:
-    """Connect to (or start) a cluster. Idempotent: a second call returns the same session.
+         credential: str | None = None, timeouts: Timeouts | None = None,
+         default_quota: int | None = None) -> Session:
+    """Connect to (or start) a cluster and open a session. Idempotent: a second call returns the same session.
 
-    With no address and no ``RAY_ADDRESS``, starts an embedded local Ray instance
-    with ``topology``; with ``address="auto"`` (or ``RAY_ADDRESS``) attaches to that
-    cluster and to the resource manager already running there (giving ``topology``
-    starts one on that cluster if none runs yet). ``default_quota`` caps each tenant's
-    devices on a runtime this call starts.
+    Args:
+        topology: the islands to start (``pw.Topology``). With no ``address``, an embedded local Ray
+            cluster is started with it (default: 2 islands x 1 host x 4 CPU devices); with an address,
+            a runtime is started on that cluster only if none runs there yet.
+        address: a Ray cluster to attach to (``"host:port"`` or ``"auto"``; default ``RAY_ADDRESS``).
+        tenant: the tenant to act as (default ``PATHWAYS_TENANT``, else ``"default"``). On an embedded
+            cluster this is its one implicit tenant and needs no credential.
+        credential: the tenant's credential, issued by the cluster's admin (default
+            ``PATHWAYS_CREDENTIAL``, else the file ``$PATHWAYS_HOME/credentials/TENANT``). A job started
+            with ``pathways submit`` instead holds a one-time ticket (``PATHWAYS_TICKET``).
+        timeouts: bounds on every wait (``pw.Timeouts``).
+        default_quota: the device quota of new tenants, on a runtime this call starts.
+
+    Weights and quotas come from the cluster's tenant registry, never from the client.
     """
     global _session
     with _lock:
         if _session is not None and not _session.closed:
             return _session
         timeouts = timeouts or Timeouts()
-        tenant = tenant or os.environ.get("PATHWAYS_TENANT") or "default"
-        if "PATHWAYS_WEIGHT" in os.environ and weight == 1.0:
-            weight = float(os.environ["PATHWAYS_WEIGHT"])
-        if weight <= 0:
-            raise ValueError(f"weight must be positive, got {weight}")
-        address = address or os.environ.get("RAY_ADDRESS")
-        owns_ray = False
-        if not ray.is_initialized():
-            if address:
-                _use_token_auth()
-                ray.init(address=address, namespace=NAMESPACE, logging_level=logging.WARNING)
-            else:
-                ray.init(namespace=NAMESPACE, include_dashboard=False, logging_level=logging.WARNING)
-                owns_ray = True
-        rm = _resource_manager(topology, timeouts, default_quota, may_create=not address or topology is not None)
-        _session = Session(rm, tenant, weight, timeouts, owns_ray)
+        if not isinstance(timeouts, Timeouts):
+            raise PathwaysError(f"timeouts must be a pw.Timeouts, got {type(timeouts).__name__}")
+        if topology is not None and not isinstance(topology, Topology):
+            raise PathwaysError(f"topology must be a pw.Topology, got {type(topology).__name__}")
+        tenant = tenant or os.environ.get(TENANT_ENV) or "default"
+        ticket = None if credential else os.environ.get(TICKET_ENV)
+        credential = credential or os.environ.get(CREDENTIAL_ENV) or _read_credential(tenant)
+        owns_ray = connect(address or os.environ.get("RAY_ADDRESS"))
+        rm = find_runtime()
+        admin = None
+        if rm is None:
+            if not owns_ray and topology is None:
+                raise PathwaysError("no pathways runtime runs on this Ray cluster; start one with `pathways up "
+                                    "--address ADDR`, or pw.init(address=..., topology=pw.Topology(...))")
+            # This process starts the runtime: it is its admin, and its tenant is the implicit one.
+            admin, credential, ticket = auth.new_secret(), credential or auth.new_secret(), None
+            rm = start_runtime(topology or Topology(), timeouts.op, timeouts.start, auth.digest(admin),
+                               implicit={"tenant": tenant, "digest": auth.digest(credential)},
+                               default_quota=default_quota)
+        elif topology is not None:
+            start_runtime(topology, timeouts.op, timeouts.start, None)  # refuses a different running topology
+        if credential is None and ticket is None:
+            raise TenantAccessError(f"tenant {tenant!r} has no credential on this machine: ask the cluster's admin "
+                                    f"for one (`pathways tenants add {tenant}`), then pass pw.init(credential=...), "
+                                    f"set {CREDENTIAL_ENV}, or save it in {credential_file(tenant)}")
+        _session = Session(rm, tenant, timeouts, owns_ray, credential, ticket, admin)
         return _session
 
 
-def _use_token_auth() -> None:
-    """Ray 2.60 clusters require token authentication, but only a process that *starts* a cluster turns it
-    on for itself; an attaching process must opt in, or the GCS refuses it. Opt in when a token exists,
-    with Ray's own helper (it also refreshes Ray's cached config), where this Ray version has one."""
+def _read_credential(tenant: str) -> str | None:
+    path = credential_file(tenant)
     try:
-        from ray._private.authentication.authentication_token_setup import (
-            maybe_enable_token_auth_if_token_available,
-        )
-    except ImportError:  # a Ray without token authentication
-        return
-    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
-
-
-def _resource_manager(topology: Topology | None, timeouts: Timeouts, default_quota: int | None,
-                      may_create: bool) -> Any:
-    from resource_manager.manager import ResourceManager
-
-    if not may_create:
-        try:
-            ray.get_actor(RESOURCE_MANAGER, namespace=NAMESPACE)
-        except ValueError:
-            raise PathwaysError("no pathways runtime runs on this Ray cluster; start one with `pathways up "
-                                "--address ADDR`, or pw.init(address=..., topology=pw.Topology(...))") from None
-    wanted = topology or Topology()
-    rm = ray.remote(ResourceManager).options(
-        name=RESOURCE_MANAGER, namespace=NAMESPACE, lifetime="detached", get_if_exists=True, num_cpus=0,
-        max_concurrency=1, resources={"node:__internal_head__": 0.001},  # the head outlives worker nodes
-    ).remote(wanted.to_wire(), NAMESPACE, timeouts.op, timeouts.start, default_quota)
-    try:
-        raw = ray.get(rm.ready.remote(), timeout=timeouts.start)
-    except GetTimeoutError:
-        raise PathwaysError(f"the cluster did not start within {timeouts.start:.0f}s") from None
-    except RayActorError as exc:
-        raise ResourceError(f"the pathways runtime could not start: {exc}") from None
-    msg = wire.decode(raw, "reply")
-    if not msg["ok"]:
-        raise from_wire(*msg["value"])
-    running = Topology.from_wire(msg["value"]["topology"])
-    if topology is not None and running != topology:
-        raise ResourceError(f"the cluster already runs {running}; you asked for {topology}. "
-                            "Call pw.init() without a topology to attach, or start a new cluster")
-    return rm
+        return path.read_text().strip() or None
+    except OSError:
+        return None
 
 
 def shutdown() -> None:

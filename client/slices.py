@@ -9,6 +9,8 @@ from typing import Any
 from jax.sharding import AbstractMesh, AxisType
 
 from client.session import Session, current
+from pathways.errors import ResourceError
+from pathways.ops import SliceDesc
 
 
 class VirtualSlice:
@@ -36,16 +38,16 @@ class VirtualSlice:
         """The island's hosts this slice spans, in order."""
         return tuple(sorted({h for h, _ in self.devices}))
 
-    def desc(self) -> dict:
-        return {"key": self.key, "shape": list(self.shape), "axes": list(self.axis_names),
-                "devices": [list(d) for d in self.devices]}
+    def desc(self) -> SliceDesc:
+        return SliceDesc(self.key, self.shape, self.axis_names, self.devices)
 
     def abstract_mesh(self) -> AbstractMesh:
         return AbstractMesh(self.shape, self.axis_names, axis_types=(AxisType.Auto,) * len(self.shape))
 
     def release(self) -> None:
+        """Free the allocation; arrays on the slice stay valid until they are dropped."""
         if not self.released and not self._session.closed:
-            self._session.rm_call("release", "release", {"tenant": self._session.tenant, "slice": self.key})
+            self._session.request("release", {"slice": self.key})
             self._session.slices.pop(self.key, None)
         self.released = True
 
@@ -63,9 +65,12 @@ class VirtualSlice:
 def slice(shape: Sequence[int], axis_names: Sequence[str], island: int | None = None) -> VirtualSlice:  # noqa: A001
     """Ask the resource manager for a virtual slice; raises ResourceError if it cannot exist."""
     session = current()
-    wire = session.rm_call("allocate", "allocate", {
-        "tenant": session.tenant, "client": session.client_id, "shape": [int(n) for n in shape],
-        "axes": [str(a) for a in axis_names], "island": island})
+    try:
+        body = {"shape": [int(n) for n in shape], "axes": [str(a) for a in axis_names], "island": island}
+    except (TypeError, ValueError):
+        raise ResourceError(f"pw.slice: shape {shape!r} must be a sequence of ints and axis_names {axis_names!r} "
+                            "a sequence of names") from None
+    wire = session.request("allocate", body)
     s = VirtualSlice(session, wire)
     session.slices[s.key] = s
     return s

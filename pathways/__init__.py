@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from pathways.cluster import ClusterStatus
 from pathways.errors import (
     IslandFailedError,
     PathwaysError,
@@ -29,6 +30,8 @@ from pathways.graph import Program
 from pathways.topology import Topology
 
 _CLIENT_API = {
+    "Admin": "client.admin",
+    "admin": "client.admin",
     "Array": "client.array",
     "put": "client.array",
     "CompiledFunction": "client.jit",
@@ -43,15 +46,15 @@ _CLIENT_API = {
     "ProgramFunction": "client.tracer",
     "program": "client.tracer",
     "transfer": "client.tracer",
-    "status": "pathways.cluster",
-    "ClusterStatus": "pathways.cluster",
+    "status": "client.status",
 }
 _MODULES = {"pipeline": "client.pipeline"}
 
 __all__ = [
-    "Array", "ClusterStatus", "CompiledFunction", "IslandFailedError", "PathwaysError", "Program", "ProgramError",
+    "Admin", "Array", "ClusterStatus", "CompiledFunction", "IslandFailedError", "PathwaysError", "Program",
+    "ProgramError",
     "ProgramFunction", "ResourceError", "TenantAccessError", "Timeouts", "Topology", "VirtualSlice",
-    "WireFormatError", "init", "jit", "pipeline", "program", "put", "release", "shutdown", "slice", "status",
+    "WireFormatError", "admin", "init", "jit", "pipeline", "program", "put", "release", "shutdown", "slice", "status",
     "trace", "transfer",
 ]
 

@@ -12,6 +12,8 @@ from typing import Any
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from pathways.ops import Aval
+
 
 @dataclass(frozen=True)
 class Value:
@@ -29,6 +31,9 @@ class Value:
 
     def describe(self) -> str:
         return f"{np.dtype(self.dtype).name}{list(self.shape)}"
+
+    def aval(self) -> Aval:
+        return Aval(tuple(self.shape), np.dtype(self.dtype).name)
 
 
 @dataclass(frozen=True)

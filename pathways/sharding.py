@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -91,17 +92,18 @@ def shard_index(shape: Sequence[int], mesh_shape: Sequence[int], axis_names: Seq
     return tuple(index)
 
 
-def device_indices(shape: Sequence[int], slice_desc: dict, spec: P) -> list[Index]:
-    """The region held by each device of a slice, in mesh (row-major) order."""
-    n = math.prod(slice_desc["shape"])
-    return [shard_index(shape, slice_desc["shape"], slice_desc["axes"], spec, k) for k in range(n)]
+def device_indices(shape: Sequence[int], desc: Any, spec: P) -> list[Index]:
+    """The region held by each device of a slice (anything with ``shape``, ``axes``, ``devices``), in mesh
+    (row-major) order."""
+    n = math.prod(desc.shape)
+    return [shard_index(shape, desc.shape, desc.axes, spec, k) for k in range(n)]
 
 
-def owned_shards(shape: Sequence[int], slice_desc: dict, spec: P) -> dict[Index, int]:
+def owned_shards(shape: Sequence[int], desc: Any, spec: P) -> dict[Index, int]:
     """Each distinct shard mapped to the host that sends it (its first holder)."""
     owners: dict[Index, int] = {}
-    for k, index in enumerate(device_indices(shape, slice_desc, spec)):
-        owners.setdefault(index, slice_desc["devices"][k][0])
+    for k, index in enumerate(device_indices(shape, desc, spec)):
+        owners.setdefault(index, desc.devices[k][0])
     return owners
 
 
@@ -115,9 +117,10 @@ def overlaps(a: Index, b: Index) -> bool:
     return intersection(a, b) is not None
 
 
-def plan_transfer(shape: Sequence[int], src: dict, src_spec: P, dst: dict, dst_spec: P
-                  ) -> tuple[list[dict], list[list[int]]]:
-    """Routes (source host -> destination host, shards) and the count each destination expects.
+def plan_transfer(shape: Sequence[int], src: Any, src_spec: P, dst: Any, dst_spec: P
+                  ) -> tuple[list[tuple[int, int, list[Index]]], list[tuple[int, int, list[int]]]]:
+    """Routes ``(source host, destination host, shards)``, and per destination host ``(host, pieces it
+    expects, source hosts that send them)``.
 
     Only shards that overlap what a destination host's devices need are sent, so
     matching shardings on equally shaped islands go host i to host i.
@@ -125,24 +128,21 @@ def plan_transfer(shape: Sequence[int], src: dict, src_spec: P, dst: dict, dst_s
     owners = owned_shards(shape, src, src_spec)
     needs: dict[int, list[Index]] = {}
     for k, index in enumerate(device_indices(shape, dst, dst_spec)):
-        needs.setdefault(dst["devices"][k][0], []).append(index)
+        needs.setdefault(dst.devices[k][0], []).append(index)
     routes: dict[tuple[int, int], list[Index]] = {}
     for shard, host in owners.items():
         for to, wanted in needs.items():
             if any(overlaps(shard, w) for w in wanted):
                 routes.setdefault((host, to), []).append(shard)
-    counts: dict[int, int] = {}
+    expects: dict[int, tuple[int, list[int]]] = {}
     out = []
     for (host, to), shards in sorted(routes.items()):
-        counts[to] = counts.get(to, 0) + len(shards)
-        out.append({"host": host, "to": to, "shards": [[list(r) for r in s] for s in shards]})
-    return out, [[to, n] for to, n in sorted(counts.items())]
+        count, senders = expects.get(to, (0, []))
+        expects[to] = (count + len(shards), senders + [host])
+        out.append((host, to, shards))
+    return out, [(to, n, senders) for to, (n, senders) in sorted(expects.items())]
 
 
 def dtype_from_wire(name: str) -> np.dtype:
     """A dtype from its wire name, including JAX's extended ones (bfloat16, float8_*)."""
     return np.dtype(jnp.dtype(name))
-
-
-def index_from_wire(shard: Sequence[Sequence[int]]) -> Index:
-    return tuple((int(a), int(b)) for a, b in shard)

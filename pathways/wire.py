@@ -1,10 +1,16 @@
-"""The msgpack wire format of every control message, versioned and validated on decode.
+"""The msgpack wire format: versioned, size-bounded, validated on decode against a schema per kind.
 
-Arrays never travel inside these messages: they go as numpy buffers in Ray's
-object store next to the message, or (same node) as addresses the receiver
-copies from. A message that fails validation raises
-``WireFormatError`` naming the field that was wrong, so a peer can refuse it
-without crashing or touching any state.
+Arrays never travel inside these messages: they go as numpy buffers next to
+the message, or (same node) as memory the receiver copies from. Each message
+kind is declared once, by the module that owns its meaning (``pathways.ops``
+for fragment templates, ``pathways.messages`` for the rest), with
+``register``. A message that fails validation raises ``WireFormatError``
+naming the field that was wrong, so a peer can refuse it without crashing or
+touching any state.
+
+A schema is a type, a tuple ``("list", item)`` / ``("map", value)`` /
+``("opt", inner)`` / ``("or", a, b, ...)``, a dict of field -> schema
+(fields wrapped in ``opt`` may be absent), or ``ANY``.
 """
 
 from __future__ import annotations
@@ -16,55 +22,34 @@ import msgpack
 
 from pathways.errors import WireFormatError
 
-VERSION = 1
+VERSION = 2
+MAX_MESSAGE_BYTES = 1 << 30  # a single control message; executables are the largest part
+MAX_ITEMS = 1 << 20  # entries of any one list or map in a message
 
-# A schema is a type, a tuple ("list", item) / ("map", value) / ("opt", inner),
-# a dict of field -> schema (all required), or ANY.
 ANY = object()
 SPEC = ("list", ("opt", ("or", str, ("list", str))))
 AVAL = {"shape": ("list", int), "dtype": str}
 SLICE = {"key": str, "shape": ("list", int), "axes": ("list", str), "devices": ("list", ("list", int))}
-ROUTE = {"host": int, "to": int, "shards": ("list", ("list", ("list", int)))}
-# Shards lent by a sender on the same node: the receiver copies them out of process ``pid`` at ``addrs``.
-DIRECT = {"pid": int, "host": int, "lease": int, "addrs": ("list", int), "channel": str}
 
-FREES = ("opt", ("list", int))  # slots freed right after the op: intermediates at their last use
-OPS: dict[str, dict] = {
-    "exec": {"exe": str, "slice": str, "in": ("list", int), "out": ("list", int),
-             "in_specs": ("list", SPEC), "out_specs": ("list", SPEC), "name": str, "frees": FREES},
-    "send": {"in": int, "key": int, "island": int, "routes": ("list", ROUTE), "frees": FREES},
-    "recv": {"out": int, "slice": str, "spec": SPEC, "aval": AVAL, "src": int,
-             "expect": ("list", ("list", int)), "frees": FREES},
-    "reshard": {"in": int, "out": int, "slice": str, "spec": SPEC, "frees": FREES},
-}
+_SCHEMAS: dict[str, Callable[[Any], None]] = {}
 
-MESSAGES: dict[str, dict] = {
-    "template": {"program": str, "n_inputs": int, "n_values": int, "slices": ("map", SLICE),
-                 "ops": ("list", dict)},
-    "call": {"tenant": str, "client": int, "template": bytes, "base": int,
-             "inputs": ("list", int), "exes": ("map", bytes), "frees": ("list", int)},
-    "put": {"tenant": str, "client": int, "id": int, "slice": SLICE, "spec": SPEC, "aval": AVAL,
-            "per_host": ("opt", bool)},
-    "free": {"tenant": str, "client": int, "ids": ("list", int), "everything": ("opt", bool)},
-    "deliver": {"key": int, "src": int, "shards": ("list", ("list", ("list", int))),
-                "failure": ("opt", ("list", str)), "direct": ("opt", DIRECT), "dtype": ("opt", str)},
-    "returned": {"leases": ("list", int)},
-    "fetch": {"tenant": str, "id": int, "timeout": float, "ready_only": bool},
-    "register": {"tenant": str, "pid": int, "weight": float},
-    "quota": {"tenant": str, "devices": ("opt", int)},
-    "allocate": {"tenant": str, "client": int, "shape": ("list", int), "axes": ("list", str),
-                 "island": ("opt", int)},
-    "release": {"tenant": str, "slice": str},
-    "unregister": {"client": int},
-    "unhealthy": {"island": int, "reason": str},
-    "reply": {"ok": bool, "value": ANY},
-}
+
+def register(kind: str, schema: dict) -> None:
+    """Declare message ``kind``; its schema is compiled into a checker once, here."""
+    if kind in _SCHEMAS:
+        raise ValueError(f"message kind {kind!r} is declared twice")
+    _SCHEMAS[kind] = _fields_check(schema)
+
+
+def check(value: Any, schema: Any, path: str) -> None:
+    """Validate ``value`` against a schema outside a message (e.g. one op of a template)."""
+    _validate(value, _compile(schema), path)
 
 
 def encode(kind: str, body: dict[str, Any]) -> bytes:
     """Pack ``body`` as a message of ``kind``; the version and kind are added here."""
     msg = {"v": VERSION, "kind": kind, **body}
-    _validate(msg, _MESSAGE_CHECKS[kind], kind)
+    _validate(msg, _schema(kind), kind)
     return msgpack.packb(msg, use_bin_type=True)
 
 
@@ -72,8 +57,11 @@ def decode(data: Any, *kinds: str) -> dict[str, Any]:
     """Unpack and validate a message; it must be one of ``kinds`` when given."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise WireFormatError(f"expected a msgpack message as bytes, got {type(data).__name__}")
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise WireFormatError(f"a message of {len(data)} bytes is over the limit of {MAX_MESSAGE_BYTES}")
     try:
-        msg = msgpack.unpackb(data, raw=False, strict_map_key=False)
+        msg = msgpack.unpackb(data, raw=False, strict_map_key=False, max_array_len=MAX_ITEMS,
+                              max_map_len=MAX_ITEMS)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
         raise WireFormatError(f"undecodable message ({len(data)} bytes): {exc}") from None
     if not isinstance(msg, dict):
@@ -85,17 +73,18 @@ def decode(data: Any, *kinds: str) -> dict[str, Any]:
             "Run the same pathways release on the client and the cluster."
         )
     kind = msg.get("kind")
-    if kind not in MESSAGES or (kinds and kind not in kinds):
-        expected = ", ".join(kinds or MESSAGES)
+    if kind not in _SCHEMAS or (kinds and kind not in kinds):
+        expected = ", ".join(kinds or sorted(_SCHEMAS))
         raise WireFormatError(f"unexpected message kind {kind!r}; expected one of: {expected}")
-    _validate(msg, _MESSAGE_CHECKS[kind], kind)
-    if kind == "template":
-        for i, op in enumerate(msg["ops"]):
-            name = op.get("op")
-            if name not in OPS:
-                raise WireFormatError(f"template.ops[{i}]: unknown op {name!r}; known: {', '.join(OPS)}")
-            _validate(op, _OP_CHECKS[name], f"template.ops[{i}]({name})")
+    _validate(msg, _SCHEMAS[kind], kind)
     return msg
+
+
+def _schema(kind: str) -> Callable[[Any], None]:
+    checker = _SCHEMAS.get(kind)
+    if checker is None:
+        raise WireFormatError(f"unknown message kind {kind!r}")
+    return checker
 
 
 # -- validation: each schema compiles once into a checker; a path is spelled out only for an error ----
@@ -115,9 +104,9 @@ class _Invalid(Exception):
 Check = Callable[[Any], None]
 
 
-def _validate(value: Any, check: Check, path: str) -> None:
+def _validate(value: Any, checker: Check, path: str) -> None:
     try:
-        check(value)
+        checker(value)
     except _Invalid as exc:
         raise WireFormatError(f"{path}{exc.where}: {exc.reason}") from None
 
@@ -128,18 +117,20 @@ def _accept(value: Any) -> None:
 
 def _type_check(kind: type) -> Check:
     if kind is int:  # a bool is an int to Python, never to the wire format
-        def check(value: Any) -> None:
+        def check_int(value: Any) -> None:
             if not isinstance(value, int) or isinstance(value, bool):
                 raise _Invalid(f"expected int, got {type(value).__name__}")
-    elif kind is float:  # msgpack sends 2.0 as 2
-        def check(value: Any) -> None:
+        return check_int
+    if kind is float:  # msgpack sends 2.0 as 2
+        def check_float(value: Any) -> None:
             if not isinstance(value, (float, int)) or isinstance(value, bool):
                 raise _Invalid(f"expected float, got {type(value).__name__}")
-    else:
-        def check(value: Any) -> None:
-            if not isinstance(value, kind):
-                raise _Invalid(f"expected {kind.__name__}, got {type(value).__name__}")
-    return check
+        return check_float
+
+    def check_type(value: Any) -> None:
+        if not isinstance(value, kind):
+            raise _Invalid(f"expected {kind.__name__}, got {type(value).__name__}")
+    return check_type
 
 
 def _compile(schema: Any) -> Check:
@@ -179,10 +170,12 @@ def _compile(schema: Any) -> Check:
     if tag != "map":
         raise ValueError(f"unknown schema tag {tag!r} in {schema!r}")
 
-    def check_map(value: Any) -> None:  # any keys, each value checked
+    def check_map(value: Any) -> None:  # str keys, each value checked
         if not isinstance(value, dict):
             raise _Invalid(f"expected a map, got {type(value).__name__}")
         for key, v in value.items():
+            if not isinstance(key, str):
+                raise _Invalid(f"expected str keys, got {type(key).__name__}")
             try:
                 item(v)
             except _Invalid as exc:
@@ -196,35 +189,13 @@ def _fields_check(schema: dict) -> Check:
     def check_fields(value: Any) -> None:
         if not isinstance(value, dict):
             raise _Invalid(f"expected a map, got {type(value).__name__}")
-        for name, check, optional in fields:
+        for name, checker, optional in fields:
             if name not in value:
                 if optional:
                     continue
                 raise _Invalid(f"missing field {name!r}")
             try:
-                check(value[name])
+                checker(value[name])
             except _Invalid as exc:
                 raise exc.within(f".{name}") from None
     return check_fields
-
-
-_MESSAGE_CHECKS = {kind: _fields_check(schema) for kind, schema in MESSAGES.items()}
-_OP_CHECKS = {name: _fields_check(schema) for name, schema in OPS.items()}
-
-
-class TemplateCache:
-    """Decoded (validated) fragment templates by their bytes: one program's template arrives with every call,
-    so each side decodes it once. Oldest first out beyond ``size``."""
-
-    def __init__(self, size: int = 256) -> None:
-        self._size = size
-        self._decoded: dict[bytes, dict] = {}
-
-    def get(self, blob: bytes) -> dict:
-        template = self._decoded.get(blob)
-        if template is None:
-            template = decode(blob, "template")
-            if len(self._decoded) >= self._size:
-                self._decoded.pop(next(iter(self._decoded)))
-            self._decoded[blob] = template
-        return template

@@ -5,16 +5,23 @@ still has to write or read the buffer marks it doomed, and the last of those
 ops drops it. A fetch waiting for a buffer is woken when that buffer arrives,
 not by every other write: a busy island serving several clients' fetches
 would otherwise wake each of them on every op.
+
+A message refused whole (it failed validation) has no ops to fail its outputs
+one by one: its id range is recorded as failed, and a wait for any id in it
+returns that failure. Once the host can no longer run (its executor died),
+every wait returns that failure at once.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from pathways.errors import TenantAccessError
+
+FAILED_RANGES = 4096  # refused messages remembered per host
 
 
 @dataclass(frozen=True)
@@ -36,25 +43,39 @@ class Entry:
 
 
 class BufferTable:
+    """Buffers by id, each owned by a tenant; bytes and their peak are counted per tenant and in all."""
+
     def __init__(self, cond: threading.Condition) -> None:
         self._cond = cond
         self._entries: dict[int, Entry] = {}
         self._uses: Counter[int] = Counter()
         self._doomed: set[int] = set()
         self._waiters: dict[int, list[threading.Event]] = {}
+        self._failed: deque[tuple[int, int, str, Failure]] = deque(maxlen=FAILED_RANGES)
+        self._dead: Failure | None = None
         self._bytes = 0  # of every entry, kept on each change so stats and the peak cost O(1)
         self._peak = 0
+        self._tenant_bytes: Counter[str] = Counter()
+        self._tenant_peak: dict[str, int] = {}
 
+    # -- entries --------------------------------------------------------------------------------------------
     def _set(self, buffer_id: int, entry: Entry) -> None:
         old = self._entries.get(buffer_id)
         self._entries[buffer_id] = entry
+        if old is not None:
+            self._tenant_bytes[old.tenant] -= old.nbytes
         self._bytes += entry.nbytes - (old.nbytes if old is not None else 0)
         self._peak = max(self._peak, self._bytes)
+        held = self._tenant_bytes[entry.tenant] = self._tenant_bytes[entry.tenant] + entry.nbytes
+        if held > self._tenant_peak.get(entry.tenant, 0):
+            self._tenant_peak[entry.tenant] = held
 
-    def _drop(self, buffer_id: int) -> None:
+    def _drop(self, buffer_id: int) -> Entry | None:
         old = self._entries.pop(buffer_id, None)
         if old is not None:
             self._bytes -= old.nbytes
+            self._tenant_bytes[old.tenant] -= old.nbytes
+        return old
 
     def put(self, buffer_id: int, tenant: str, value: Any) -> None:
         with self._cond:
@@ -66,18 +87,63 @@ class BufferTable:
                 event.set()
 
     def lookup(self, buffer_id: int, tenant: str) -> Entry | None:
-        """The entry if it exists; refuses another tenant's buffer without revealing it."""
+        """The entry if it exists (or the failure that stands for it); refuses another tenant's buffer
+        without revealing it."""
         entry = self._entries.get(buffer_id)
-        if entry is not None and entry.tenant != tenant:
+        if entry is None:
+            failure = self._failure_of(buffer_id, tenant)
+            return None if failure is None else Entry(tenant, failure)
+        if entry.tenant != tenant:
             raise TenantAccessError(
                 f"buffer {buffer_id} is not owned by tenant {tenant!r}; a program may only read its own buffers")
         return entry
 
+    def _failure_of(self, buffer_id: int, tenant: str) -> Failure | None:
+        if self._dead is not None:
+            return self._dead
+        for lo, hi, owner, failure in self._failed:
+            if lo <= buffer_id < hi and owner == tenant:
+                return failure
+        return None
+
+    def take(self, buffer_id: int, tenant: str) -> Any:
+        """Remove a buffer and return its value (an input donated to XLA); the caller made sure nothing
+        else uses it."""
+        with self._cond:
+            entry = self.lookup(buffer_id, tenant)
+            if entry is None:
+                return None
+            self._drop(buffer_id)
+            self._doomed.discard(buffer_id)
+            return entry.value
+
+    def used_elsewhere(self, buffer_id: int) -> bool:
+        """Whether an op other than the one running now still reads or writes this buffer."""
+        return self._uses.get(buffer_id, 0) > 1
+
+    def fail_range(self, lo: int, hi: int, tenant: str, failure: Failure) -> None:
+        """Ids ``lo`` to ``hi - 1`` of a refused message: waits for any of them return ``failure``."""
+        with self._cond:
+            self._failed.append((lo, hi, tenant, failure))
+            for buffer_id in [i for i in self._waiters if lo <= i < hi]:
+                for event in self._waiters.pop(buffer_id):
+                    event.set()
+
+    def die(self, failure: Failure) -> None:
+        """The host can no longer run: every present and future wait returns ``failure``."""
+        with self._cond:
+            self._dead = failure
+            for events in self._waiters.values():
+                for event in events:
+                    event.set()
+            self._waiters.clear()
+
     def wait(self, buffer_id: int, tenant: str, timeout: float) -> Entry | None:
         """The entry once it exists, or None after ``timeout`` seconds."""
         with self._cond:
-            if buffer_id in self._entries:
-                return self.lookup(buffer_id, tenant)
+            found = self.lookup(buffer_id, tenant)
+            if found is not None or timeout <= 0:
+                return found
             event = threading.Event()
             self._waiters.setdefault(buffer_id, []).append(event)
         arrived = event.wait(timeout)
@@ -90,6 +156,7 @@ class BufferTable:
                     self._waiters.pop(buffer_id, None)
             return self.lookup(buffer_id, tenant)
 
+    # -- uses and frees -------------------------------------------------------------------------------------
     def add_uses(self, ids: list[int]) -> None:
         self._uses.update(ids)
 
@@ -113,11 +180,12 @@ class BufferTable:
                 else:
                     self._drop(i)
 
-    def free_client(self, client: int, tenant: str, id_bits: int) -> None:
+    def free_client(self, client: int, tenant: str, id_bits: int) -> int:
         """Free every buffer minted by one client (its ids share a prefix), e.g. at its shutdown."""
         with self._cond:
             ids = [i for i, e in self._entries.items() if i >> id_bits == client and e.tenant == tenant]
         self.free(ids, tenant)
+        return len(ids)
 
     def free_tenant(self, tenant: str) -> int:
         with self._cond:
@@ -131,7 +199,9 @@ class BufferTable:
             self._entries.clear()
             self._doomed.clear()
             self._bytes = 0
+            self._tenant_bytes.clear()
 
+    # -- accounting -----------------------------------------------------------------------------------------
     def __contains__(self, buffer_id: int) -> bool:
         return buffer_id in self._entries
 
@@ -147,10 +217,21 @@ class BufferTable:
         """The most bytes resident at once since the last ``reset_peak``."""
         return self._peak
 
-    def reset_peak(self) -> int:
-        """Start a new peak at the current bytes; returns the peak that ends."""
+    def tenant_usage(self, tenant: str) -> dict[str, int]:
+        """One tenant's buffers, bytes, and peak bytes since its last ``reset_peak``."""
         with self._cond:
-            peak, self._peak = self._peak, self._bytes
+            count = sum(1 for e in self._entries.values() if e.tenant == tenant)
+            return {"buffers": count, "buffer_bytes": self._tenant_bytes.get(tenant, 0),
+                    "peak_buffer_bytes": self._tenant_peak.get(tenant, 0)}
+
+    def reset_peak(self, tenant: str | None = None) -> int:
+        """Start a new peak (one tenant's, or the host's) at the current bytes; returns the peak that ends."""
+        with self._cond:
+            if tenant is None:
+                peak, self._peak = self._peak, self._bytes
+                return peak
+            peak = self._tenant_peak.get(tenant, 0)
+            self._tenant_peak[tenant] = self._tenant_bytes.get(tenant, 0)
             return peak
 
     def by_tenant(self) -> dict[str, tuple[int, int]]:

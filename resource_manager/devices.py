@@ -6,9 +6,10 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
-from pathways.sharding import Index, device_indices
+from pathways.ops import SliceDesc, WireSpec
+from pathways.sharding import Index, device_indices, spec_from_wire
 
 
 class LocalDevices:
@@ -22,35 +23,32 @@ class LocalDevices:
         self._devices = by_process
         self._meshes: dict[tuple, Mesh] = {}
 
+    @property
+    def local(self) -> list[jax.Device]:
+        return self._devices.get(self.host, [])
+
     def describe(self) -> list[str]:
-        return [f"{d.platform}:{d.id}" for d in self._devices.get(self.host, [])]
+        return [f"{d.platform}:{d.id}" for d in self.local]
 
-    @staticmethod
-    def key(desc: dict) -> tuple:
-        return (tuple(desc["shape"]), tuple(desc["axes"]), tuple(map(tuple, desc["devices"])))
-
-    def mesh(self, desc: dict) -> tuple[Mesh, tuple]:
-        key = self.key(desc)
+    def mesh(self, desc: SliceDesc) -> Mesh:
+        key = (desc.shape, desc.axes, desc.devices)
         mesh = self._meshes.get(key)
         if mesh is None:
-            devs = [self._devices[h][i] for h, i in desc["devices"]]
-            mesh = Mesh(np.array(devs, dtype=object).reshape(desc["shape"]), tuple(desc["axes"]))
+            devs = [self._devices[h][i] for h, i in desc.devices]
+            mesh = Mesh(np.array(devs, dtype=object).reshape(desc.shape), desc.axes)
             self._meshes[key] = mesh
-        return mesh, key
+        return mesh
 
-    def sharding(self, desc: dict, spec: PartitionSpec) -> NamedSharding:
-        return NamedSharding(self.mesh(desc)[0], spec)
+    def sharding(self, desc: SliceDesc, spec: WireSpec) -> NamedSharding:
+        return NamedSharding(self.mesh(desc), spec_from_wire(spec))
 
-    def participates(self, desc: dict) -> bool:
-        return any(h == self.host for h, _ in desc["devices"])
+    def participates(self, desc: SliceDesc) -> bool:
+        return any(h == self.host for h, _ in desc.devices)
 
-    def single_host(self, desc: dict) -> bool:
-        return all(h == self.host for h, _ in desc["devices"])
-
-    def wanted(self, desc: dict, shape: Sequence[int], spec: PartitionSpec) -> list[tuple[jax.Device, Index]]:
+    def wanted(self, desc: SliceDesc, shape: Sequence[int], spec: WireSpec) -> list[tuple[jax.Device, Index]]:
         """Each of this host's devices in the slice, with the region of the array it holds."""
         out = []
-        for (h, i), index in zip(desc["devices"], device_indices(shape, desc, spec)):
+        for (h, i), index in zip(desc.devices, device_indices(shape, desc, spec_from_wire(spec))):
             if h == self.host:
                 out.append((self._devices[h][i], index))
         return out

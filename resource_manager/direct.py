@@ -12,28 +12,25 @@ rows of several destination shards). Then the lease goes back and the sender
 lets go of the arrays.
 
 A route uses this path only after a probe showed that the receiver runs on the
-same Ray node and may read this process (ptrace permissions allow it);
-otherwise shards go through the object store.
+same Ray node and may read this process (the kernel's ptrace rules allow it:
+same user, and Yama's ptrace_scope 0); otherwise shards go through the object
+store. Hosts never widen those rules for themselves: the receiver reads only
+the process at the other end of its authenticated socket (``resource_manager.peers``).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import itertools
 import os
 import sys
-import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
-from pathways import wire
 from pathways.sharding import Index, intersection
-from resource_manager.channel import Channel
 
 MIN_BYTES = 100 * 1024  # below this Ray sends the bytes inline with the message, which is cheaper
 CHUNK = 4 * 2**20  # bytes per read call: big copies are split over several threads
@@ -176,20 +173,6 @@ def _calls(piece: Lent, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray) -
     return calls
 
 
-def allow_peer_reads() -> None:
-    """Let same-user processes read this one under Yama's ptrace_scope 1 (Ubuntu's default), which
-    otherwise limits process_vm_readv to a process's own descendants. Same-user processes can already
-    read Ray's object store; scope 2 and 3 stay closed, and peers then use the object store."""
-    try:
-        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
-            if f.read().strip() != "1":
-                return
-    except OSError:
-        return
-    pr_set_ptracer, any_process = 0x59616D61, ctypes.c_ulong(-1)
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_ptracer, any_process, 0, 0, 0)
-
-
 def can_read(pid: int, addr: int, expected: bytes) -> bool:
     """Whether this process may read process ``pid`` (same kernel, ptrace permission) and sees ``expected``."""
     if _readv is None:
@@ -201,104 +184,3 @@ def can_read(pid: int, addr: int, expected: bytes) -> bool:
     except OSError:
         return False
     return out.tobytes() == expected
-
-
-class Peers:
-    """How this host's shards reach peer hosts, and the shards it lent to peers on this node.
-
-    A peer on this node that passed the probe gets frames on the channel: small shards inside the frame,
-    large ones lent (kept alive here until their lease comes back). Other peers get Ray actor calls with
-    the shards attached, through the object store.
-    """
-
-    def __init__(self, node: str, host: int, peer: Callable[[int, int], Any], channel: Channel | None) -> None:
-        self.node, self.host = node, host
-        self.pid = os.getpid()
-        self.channel = channel
-        self._peer = peer
-        self._lock = threading.Lock()
-        self._ids = itertools.count(1)
-        self._lent: dict[int, tuple[list[np.ndarray], int]] = {}
-        self._links: dict[tuple[int, int], str] = {}
-        self._probe = np.frombuffer(PROBE, np.uint8).copy()
-
-    def link(self, island: int, host: int, timeout: float) -> str:
-        """The channel address of host ``(island, host)`` if it can read this process, else "": asked once
-        per peer, then remembered."""
-        key = (island, host)
-        known = self._links.get(key)
-        if known is None:
-            known = ""
-            if self.channel is not None and _readv is not None:
-                import ray
-
-                ref = self._peer(island, host).probe_direct.remote(self.node, self.pid, self._probe.ctypes.data,
-                                                                   PROBE)
-                try:
-                    known = ray.get(ref, timeout=timeout) or ""
-                except Exception:  # an unreachable peer fails its transfer on the Ray path instead
-                    pass
-            self._links[key] = known
-        return known
-
-    def linked(self, island: int, hosts: Sequence[int]) -> bool:
-        """Whether every one of these peers is known to take frames on the channel."""
-        return all(self._links.get((island, host)) for host in hosts)
-
-    def send(self, island: int, host: int, body: dict, arrays: list[np.ndarray], timeout: float) -> bool:
-        """Deliver ``body`` (a deliver message without its arrays) and ``arrays`` to a peer host; returns
-        whether the shards were lent."""
-        link = self.link(island, host, timeout)
-        lend = link and sum(a.nbytes for a in arrays) >= MIN_BYTES
-        if link:
-            if lend:
-                frame, attached = dict(body, direct=self.lend(arrays, island)), []
-            else:
-                frame, attached = dict(body, dtype=arrays[0].dtype.name) if arrays else body, arrays
-            try:
-                self.channel.send(link, wire.encode("deliver", frame), attached)
-                return bool(lend)
-            except OSError:  # the peer's socket is gone: Ray says whether the peer is
-                if lend:
-                    self.release([frame["direct"]["lease"]])
-        self._peer(island, host).deliver.remote(wire.encode("deliver", body), *arrays)
-        return False
-
-    def give_back(self, pieces: Sequence[Lent]) -> None:
-        """The receiver's side: return the leases of lent pieces to their senders, copied or not."""
-        by_sender: dict[tuple[tuple[int, int], str], list[int]] = {}
-        for piece in pieces:
-            by_sender.setdefault((piece.src, piece.reply), []).append(piece.lease)
-        for ((island, host), reply), leases in by_sender.items():
-            if reply and self.channel is not None:
-                try:
-                    self.channel.send(reply, wire.encode("returned", {"leases": leases}))
-                    continue
-                except OSError:
-                    pass
-            self._peer(island, host).release_lent.remote(leases)
-
-    def lend(self, arrays: list[np.ndarray], island: int) -> dict:
-        """Keep ``arrays`` alive for a reader on ``island``; the ``direct`` field of a deliver message."""
-        arrays = [np.ascontiguousarray(a) for a in arrays]
-        with self._lock:
-            lease = next(self._ids)
-            self._lent[lease] = (arrays, island)
-        return {"pid": self.pid, "host": self.host, "lease": lease, "addrs": [a.ctypes.data for a in arrays],
-                "channel": self.channel.address if self.channel is not None else ""}
-
-    def release(self, leases: Sequence[int]) -> None:
-        with self._lock:
-            for lease in leases:
-                self._lent.pop(int(lease), None)
-
-    def drop_island(self, island: int) -> None:
-        """A failed island will never read what was lent to it."""
-        with self._lock:
-            for k in [k for k, (_, dst) in self._lent.items() if dst == island]:
-                del self._lent[k]
-
-    @property
-    def lent_bytes(self) -> int:
-        with self._lock:
-            return sum(a.nbytes for arrays, _ in self._lent.values() for a in arrays)

@@ -1,64 +1,188 @@
-"""A host's executable cache: serialized StableHLO compiled once per content hash and device set."""
+"""A host's executable cache: serialized StableHLO per tenant, compiled once per content hash and device set.
+
+Each tenant sees only the executables its own clients sent (another tenant can
+neither use nor detect them), and pays for them: its serialized executables
+have a byte budget (a message that would go over it is refused), and compiled
+executables are charged to it against a budget of their own, the least
+recently used evicted first (they compile again on their next use).
+
+Before anything compiles, its shapes are checked: XLA aborts the whole
+process on a shape whose size overflows, so an executable naming one is
+refused, and one whose inputs or outputs cannot fit the host is a
+ResourceError, never an allocation. After compiling, the outputs and
+temporaries XLA plans for must fit what the machine has free.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import re
 import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from pathways.errors import ProgramError, WireFormatError
+from pathways.errors import ProgramError, ResourceError, WireFormatError
+from pathways.ops import Aval, Limits, SliceDesc, WireSpec, check_fits
 from pathways.sharding import spec_from_wire
+from resource_manager.memory import LARGE, available_bytes
+
+BLOB_BUDGET = 512 << 20  # serialized executables one tenant may keep on a host
+COMPILED_BUDGET = 2 << 30  # estimated bytes of compiled executables one tenant may keep on a host
+COMPILED_ENTRIES = 4096  # compiled executables one tenant may keep on a host
+_TENSOR = re.compile(r"tensor<((?:\d+x)+)[a-z]")
+_OVERFLOW = 1 << 62
 
 
 def content_hash(blob: bytes) -> str:
     return hashlib.sha256(blob).hexdigest()
 
 
-class ExecutableCache:
-    """Blobs by hash (verified), compiled executables by (hash, mesh, shardings).
+@dataclass
+class _Compiled:
+    call: Any
+    nbytes: int
+    out_bytes: int  # what one run allocates (outputs and temporaries), checked against free memory
 
-    ``compiles`` only grows on a miss, which is what lets a test prove that a
-    second call with the same shapes does not recompile.
+
+class ExecutableCache:
+    """Blobs (verified, per tenant) and compiled executables (per tenant, LRU within a byte budget).
+
+    ``compiles`` only grows on a miss, which is what lets a test prove that a second call with the same
+    shapes does not recompile.
     """
 
-    def __init__(self) -> None:
-        self._blobs: dict[str, bytes] = {}
-        self._compiled: dict[tuple, Any] = {}
+    def __init__(self, limits: Limits, blob_budget: int = BLOB_BUDGET, compiled_budget: int = COMPILED_BUDGET) -> None:
+        self.limits = limits
+        self.blob_budget, self.compiled_budget = blob_budget, compiled_budget
         self._lock = threading.Lock()
+        self._exported: dict[str, Any] = {}  # hash -> jax.export.Exported, shared by the tenants that sent it
+        self._blobs: dict[str, dict[str, int]] = {}  # tenant -> {hash: blob bytes}
+        self._compiled: dict[str, OrderedDict[tuple, _Compiled]] = {}
         self.compiles = 0
         self.hits = 0
+        self.evictions = 0
 
-    def add(self, exe_hash: str, blob: bytes) -> None:
-        if exe_hash in self._blobs:
+    # -- blobs --------------------------------------------------------------------------------------------
+    def add(self, tenant: str, exe_hash: str, blob: bytes) -> None:
+        """Keep ``blob`` for ``tenant``; WireFormatError if it does not match its hash, ProgramError if it
+        names an impossible shape, ResourceError if the tenant's budget is full."""
+        held = self._blobs.setdefault(tenant, {})
+        if exe_hash in held:
             return
         if content_hash(blob) != exe_hash:
             raise WireFormatError(f"executable bytes do not match their hash {exe_hash[:12]}…; refusing them")
+        total = sum(held.values()) + len(blob)
+        if total > self.blob_budget:
+            raise ResourceError(f"the executables your clients sent island {self.limits.island} would take "
+                                f"{total / 2**20:.1f} MiB, over the per-tenant budget of "
+                                f"{self.blob_budget / 2**20:.0f} MiB; use fewer distinct functions or shapes")
+        exported = self._exported.get(exe_hash)
+        if exported is None:
+            exported = _deserialize(exe_hash, blob)
         with self._lock:
-            self._blobs[exe_hash] = blob
+            self._exported[exe_hash] = exported
+            held[exe_hash] = len(blob)
 
-    def get(self, exe_hash: str, mesh: Mesh, mesh_key: tuple, in_specs: list, out_specs: list) -> Any:
-        key = (exe_hash, mesh_key, repr(in_specs), repr(out_specs))
-        compiled = self._compiled.get(key)
-        if compiled is not None:
+    def has(self, tenant: str, exe_hash: str) -> bool:
+        return exe_hash in self._blobs.get(tenant, {})
+
+    def drop_tenant(self, tenant: str) -> None:
+        """Forget everything a tenant sent and compiled (its last session on this host ended)."""
+        with self._lock:
+            self._blobs.pop(tenant, None)
+            self._compiled.pop(tenant, None)
+            used = {h for blobs in self._blobs.values() for h in blobs}
+            for h in [h for h in self._exported if h not in used]:
+                del self._exported[h]
+
+    # -- compiled -----------------------------------------------------------------------------------------
+    def get(self, tenant: str, exe_hash: str, mesh: Mesh, desc: SliceDesc, in_specs: Sequence[WireSpec],
+            out_specs: Sequence[WireSpec], donate: tuple[int, ...] = ()) -> Any:
+        """The compiled executable (compiling it on a miss); ResourceError if its outputs and temporaries
+        cannot fit this host now."""
+        key = (exe_hash, desc.devices, desc.shape, desc.axes, tuple(in_specs), tuple(out_specs), donate)
+        per_tenant = self._compiled.setdefault(tenant, OrderedDict())
+        entry = per_tenant.get(key)
+        if entry is None:
+            entry = self._compile(tenant, exe_hash, mesh, desc, in_specs, out_specs, donate)
+            with self._lock:
+                per_tenant[key] = entry
+                self.compiles += 1
+                self._evict(per_tenant)
+        else:
+            per_tenant.move_to_end(key)
             self.hits += 1
-            return compiled
-        blob = self._blobs.get(exe_hash)
-        if blob is None:
-            raise ProgramError(
-                f"executable {exe_hash[:12]}… was never sent to this island; the client must include it "
-                "with the first fragment that uses it")
-        exported = jax.export.deserialize(bytearray(blob))
+        if entry.out_bytes >= LARGE and entry.out_bytes > available_bytes():
+            raise ResourceError(f"a run of this computation allocates {entry.out_bytes / 2**30:.3g} GiB on island "
+                                f"{self.limits.island}, more than the host has free now; try again later or "
+                                "use a smaller shape")
+        return entry.call
+
+    def _compile(self, tenant: str, exe_hash: str, mesh: Mesh, desc: SliceDesc, in_specs: Sequence[WireSpec],
+                 out_specs: Sequence[WireSpec], donate: tuple[int, ...]) -> _Compiled:
+        if not self.has(tenant, exe_hash):
+            raise ProgramError(f"executable {exe_hash[:12]}… was never sent to island {self.limits.island} by "
+                               "your clients; the client includes it with the first fragment that uses it")
+        exported = self._exported[exe_hash]
+        if len(in_specs) != len(exported.in_avals) or len(out_specs) != len(exported.out_avals):
+            raise ProgramError(f"executable {exe_hash[:12]}… takes {len(exported.in_avals)} inputs and gives "
+                               f"{len(exported.out_avals)} outputs, but the op names {len(in_specs)} and "
+                               f"{len(out_specs)}")
+        for k, (aval, spec) in enumerate(zip(exported.out_avals, out_specs)):
+            check_fits(Aval(tuple(aval.shape), np.dtype(aval.dtype).name), spec, desc, self.limits,
+                       f"output {k} of executable {exe_hash[:12]}…")
         in_sh = tuple(NamedSharding(mesh, spec_from_wire(s)) for s in in_specs)
         out_sh = tuple(NamedSharding(mesh, spec_from_wire(s)) for s in out_specs)
         avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(exported.in_avals, in_sh)]
-        compiled = jax.jit(exported.call, in_shardings=in_sh, out_shardings=out_sh).lower(*avals).compile()
-        with self._lock:
-            self._compiled[key] = compiled
-            self.compiles += 1
-        return compiled
+        compiled = jax.jit(exported.call, in_shardings=in_sh, out_shardings=out_sh,
+                           donate_argnums=donate).lower(*avals).compile()
+        stats = compiled.memory_analysis()
+        out_bytes = 0 if stats is None else int(stats.output_size_in_bytes + stats.temp_size_in_bytes)
+        code = 0 if stats is None else int(stats.generated_code_size_in_bytes)
+        blob = self._blobs.get(tenant, {}).get(exe_hash, 0)
+        return _Compiled(compiled, max(code, 4 * blob), out_bytes)
+
+    def _evict(self, per_tenant: OrderedDict) -> None:
+        while len(per_tenant) > 1 and (len(per_tenant) > COMPILED_ENTRIES
+                                       or sum(e.nbytes for e in per_tenant.values()) > self.compiled_budget):
+            per_tenant.popitem(last=False)
+            self.evictions += 1
+
+    def tenant_stats(self, tenant: str) -> dict[str, int]:
+        compiled = self._compiled.get(tenant, {})
+        return {"executables": len(compiled), "compiled_bytes": sum(e.nbytes for e in compiled.values()),
+                "blob_bytes": sum(self._blobs.get(tenant, {}).values())}
 
     def __len__(self) -> int:
-        return len(self._compiled)
+        return sum(len(c) for c in self._compiled.values())
+
+
+def _deserialize(exe_hash: str, blob: bytes) -> Any:
+    """The Exported behind ``blob``, refused if any array it names has a size XLA cannot represent."""
+    try:
+        exported = jax.export.deserialize(bytearray(blob))
+    except Exception as exc:  # not a serialized jax.export module
+        raise WireFormatError(f"executable {exe_hash[:12]}… is not a serialized jax.export module: {exc}") from None
+    for aval in list(exported.in_avals) + list(exported.out_avals):
+        if _overflows(aval.shape, np.dtype(aval.dtype).itemsize):
+            raise ResourceError(f"executable {exe_hash[:12]}… has an array of shape {tuple(aval.shape)}, whose "
+                                "size overflows; no host can hold it")
+    for dims in _TENSOR.findall(exported.mlir_module()):
+        shape = [int(d) for d in dims.rstrip("x").split("x")]
+        if _overflows(shape, 16):
+            raise ResourceError(f"executable {exe_hash[:12]}… computes an intermediate of shape {tuple(shape)}, "
+                                "whose size overflows; no host can hold it")
+    return exported
+
+
+def _overflows(shape: Sequence[int], itemsize: int) -> bool:
+    size = itemsize
+    for n in shape:
+        size *= int(n)
+    return size >= _OVERFLOW

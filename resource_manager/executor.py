@@ -2,123 +2,103 @@
 
 Fragments are admitted strictly in the island scheduler's sequence order. On
 a single-host island any op whose inputs are ready may run (a fragment
-waiting for a transfer does not block the next client's work); on a
+waiting for a transfer does not block the next client's work). On a
 multi-host island only the oldest fragment advances, so every host launches
-the island's collectives in exactly the same order (gang scheduling).
+the island's collectives in the same order (gang scheduling), with one
+exception that keeps two islands from waiting on each other: a fragment that
+reaches a receive *parks* there, off the order, on every host alike. Each host
+reports when its pieces of that receive have landed; once all have, the
+scheduler gives the rest of the fragment a new place in the order (a resume),
+the same on every host. A later fragment that needs a value a parked one will
+produce parks behind it and comes back right after it.
+
+Completion, blocking and landing flow out as reports to the ``report`` sink
+(the host forwards them to its island's scheduler); the executor never calls
+the layers above it. If its thread dies, every pending and future wait fails
+with the reason, and the host says so to its health checks.
 """
 
 from __future__ import annotations
 
-import math
+import logging
 import threading
 import time
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
-import jax
-import numpy as np
-from jax.sharding import PartitionSpec
-
-from pathways.errors import IslandFailedError, TenantAccessError, to_wire
+from pathways.errors import to_wire
 from pathways.events import EventLog
-from pathways.sharding import dtype_from_wire, index_from_wire, spec_from_wire
-from resource_manager.buffer_pool import BufferPool
+from pathways.ops import Op, Recv, Send
 from resource_manager.buffers import BufferTable, Failure
-from resource_manager.devices import LocalDevices
-from resource_manager.direct import Lent, Peers
-from resource_manager.executables import ExecutableCache
-from resource_manager.scheduler import Scheduler
-from resource_manager.transfer import Landing, assemble, local_pieces
+from resource_manager.handlers import Failed, Handlers
+from resource_manager.receive import Receiver
+from resource_manager.run import Run
 
-READS = {"exec": "in", "send": "in", "reshard": "in"}
-WRITES = {"exec": "out", "recv": "out", "reshard": "out", "put": "id"}
-
-
-@dataclass(eq=False)
-class Run:
-    """One admitted fragment (or put) with its client-minted ids resolved lazily."""
-
-    seq: int
-    tenant: str
-    label: str
-    ops: list[dict]
-    slices: dict[str, dict]
-    n_inputs: int = 0
-    base: int = 0
-    inputs: list[int] = field(default_factory=list)
-    pc: int = 0
-    waiting_since: float | None = None
-    busy_s: float = 0.0
-    admitted: float = 0.0
-    refusal: Failure | None = None
-    reported_blocked: bool = False
-
-    def rid(self, slot: int) -> int:
-        return self.inputs[slot] if slot < self.n_inputs else self.base + slot
-
-    def touches(self, op: dict) -> list[int]:
-        """Ids the op reads or writes: a free arriving meanwhile must wait until the op is done."""
-        if op["op"] == "put":
-            return [op["id"]]
-        slots = op.get("_touches")
-        if slots is None:  # template ops are decoded once and shared by every call: compute once
-            slots = []
-            for table in (READS, WRITES):
-                name = table.get(op["op"])
-                if name is not None:
-                    value = op[name]
-                    slots.extend(value if isinstance(value, list) else [value])
-            op["_touches"] = slots
-        n, base, inputs = self.n_inputs, self.base, self.inputs
-        return [inputs[s] if s < n else base + s for s in slots]
+log = logging.getLogger(__name__)
 
 
 @dataclass
-class Mailbox:
-    pieces: dict = field(default_factory=dict)
-    failure: Failure | None = None
+class Report:
+    """What the executor tells the island's scheduler: fragments done (seq, island seconds), fragments
+    waiting on another island (they leave the window), and parked receives whose data landed here."""
+
+    done: list[list] = field(default_factory=list)
+    blocked: list[int] = field(default_factory=list)
+    landed: list[tuple[int, int]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.done or self.blocked or self.landed)
 
 
 class Executor:
-    def __init__(self, island: int, host: int, devices: LocalDevices, table: BufferTable,
-                 exes: ExecutableCache, cond: threading.Condition,
-                 scheduler: Scheduler | None, strict: bool, op_timeout: float, events: EventLog,
-                 peers: Peers, pool: BufferPool) -> None:
-        self.island, self.host = island, host
-        self.devices, self.table, self.exes, self.cond = devices, table, exes, cond
-        self.scheduler = scheduler  # the island's, on host 0 (which reports for the island); None elsewhere
-        self.peers = peers
-        self.pool = pool
-        self.events = events
-        self.bytes_out = 0
-        self.bytes_in = 0
-        self.bytes_in_direct = 0
-        self._done: list[list] = []
-        self._blocked: list[int] = []
-        self.strict = strict
+    """The loop of one host. ``admit`` and ``resume`` are called in sequence order with ``cond`` held."""
+
+    def __init__(self, island: int, host: int, strict: bool, handlers: Handlers, receiver: Receiver,
+                 table: BufferTable, cond: threading.Condition, op_timeout: float, events: EventLog,
+                 report: Callable[[Report], None]) -> None:
+        self.island, self.host, self.strict = island, host, strict
+        self.handlers, self.receiver, self.table, self.cond = handlers, receiver, table, cond
         self.op_timeout = op_timeout
+        self.events = events
+        self._report_to = report
+        self._report = Report()
         self.runs: list[Run] = []
-        self.mailbox: dict[int, Mailbox] = {}
-        self.failed_islands: set[int] = set()
+        self.parked: dict[int, Run] = {}
+        self._behind: dict[int, list[Run]] = {}  # parked run's seq -> runs waiting for its outputs
+        self._future: dict[int, int] = {}  # buffer id -> seq of the parked run that will write it
         self.version = 0
         self.completed = 0
         self.ops_run = 0
         self.busy_s = 0.0
-        self._sender = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"send-{island}.{host}")
-        self._handlers = {"exec": self._exec, "send": self._send, "recv": self._recv,
-                          "reshard": self._reshard, "put": self._put}
+        self.dead: str | None = None
         self._stopped = False
-        self._thread = threading.Thread(target=self._loop, name=f"executor-{island}.{host}", daemon=True)
+        self._thread = threading.Thread(target=self._main, name=f"executor-{island}.{host}", daemon=True)
         self._thread.start()
 
-    # -- admission (called with self.cond held, in sequence order) -------------------------------
+    # -- admission (in sequence order, cond held) ---------------------------------------------------------
     def admit(self, run: Run) -> None:
-        run.admitted = time.time()
         for op in run.ops:
             self.table.add_uses(run.touches(op))
+        if self.dead is not None:
+            self._fail_rest(run, Failure("IslandFailedError", self.dead))
+            return
         self.runs.append(run)
+        self.touch()
+
+    def resume(self, seq: int, pc: int) -> None:
+        """The rest of a parked run takes this place in the order (every host of the island alike)."""
+        run = self.parked.pop(seq, None)
+        if run is None or run.pc != pc:
+            log.error("island %d host %d: resume of fragment %d at op %d, which is not parked there", self.island,
+                      self.host, seq, pc)
+            return
+        for buffer_id in [i for i, s in self._future.items() if s == seq]:
+            del self._future[buffer_id]
+        run.parked, run.resumed_at = False, pc
+        self.runs.append(run)
+        for waiting in self._behind.pop(seq, []):
+            waiting.parked = False
+            self.runs.append(waiting)
         self.touch()
 
     def touch(self) -> None:
@@ -129,9 +109,16 @@ class Executor:
         with self.cond:
             self._stopped = True
             self.touch()
-        self._sender.shutdown(wait=False, cancel_futures=True)
+        self.handlers.stop()
 
-    # -- the loop ------------------------------------------------------------------------------
+    # -- the loop -----------------------------------------------------------------------------------------
+    def _main(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # noqa: BLE001 - whatever killed the loop must be said, not swallowed
+            log.exception("island %d host %d: the executor died", self.island, self.host)
+            self.die(f"the executor of island {self.island} host {self.host} died: {type(exc).__name__}: {exc}")
+
     def _loop(self) -> None:
         while True:
             with self.cond:
@@ -141,62 +128,67 @@ class Executor:
                 runs = list(self.runs)
             progressed = False
             for run in runs:
+                if run.parked:
+                    continue
                 progressed |= self._advance(run)
                 if run.pc >= len(run.ops):
-                    with self.cond:
-                        self.runs.remove(run)
-                        self.completed += 1
-                    self._done.append([run.seq, run.busy_s])
-                    if self.events.enabled:
-                        self.events.span(f"seq {run.seq}: {run.label}", "fragment", run.admitted, time.time(),
-                                         seq=run.seq, tenant=run.tenant, program=run.label, ops=len(run.ops),
-                                         busy_ms=round(run.busy_s * 1e3, 3))
-                elif self.strict:
+                    self._finish(run)
+                elif self.strict and not run.parked:
                     break
-            self._report()
+            self._flush()
             if progressed:
                 continue
             with self.cond:
                 if self.version == seen and not self._stopped:
                     self.cond.wait(timeout=self._next_deadline())
 
-    def _report(self) -> None:
-        """Tell the island's scheduler (host 0 speaks for the island) what finished or is blocked."""
-        if self.scheduler is None or not (self._done or self._blocked):
-            self._done, self._blocked = [], []
-            return
-        if self._blocked:
-            blocked, self._blocked = self._blocked, []
-            self.scheduler.blocked(blocked)
-        if self._done:
-            done, self._done = self._done, []
-            self.scheduler.completed(done)
+    def _finish(self, run: Run) -> None:
+        with self.cond:
+            self.runs.remove(run)
+            self.completed += 1
+        self._report.done.append([run.seq, run.busy_s])
+        if self.events.enabled:
+            self.events.span(f"seq {run.seq}: {run.label}", "fragment", run.admitted, time.time(), seq=run.seq,
+                             tenant=run.tenant, program=run.label, ops=len(run.ops), busy_ms=round(run.busy_s * 1e3, 3))
+
+    def _flush(self) -> None:
+        with self.cond:
+            self._report.landed.extend(self.receiver.take_landed())
+        if self._report:
+            report, self._report = self._report, Report()
+            self._report_to(report)
 
     def _next_deadline(self) -> float:
         waits = [r.waiting_since for r in self.runs if r.waiting_since is not None]
+        until_expiry = self.receiver.expire()
         if not waits:
-            return 1.0
-        return max(0.001, min(1.0, min(waits) + self.op_timeout - time.monotonic()))
+            return min(1.0, until_expiry)
+        return max(0.001, min(1.0, until_expiry, min(waits) + self.op_timeout - time.monotonic()))
 
     def _advance(self, run: Run) -> bool:
         progressed = False
         while run.pc < len(run.ops):
             op = run.ops[run.pc]
+            if self.strict and isinstance(op, Recv) and run.resumed_at != run.pc:
+                self._park(run, op)
+                return progressed
             start = time.perf_counter()
             wall = time.time() if self.events.enabled else 0.0
             try:
-                if run.refusal is not None:
-                    self._fail_op(run, op, run.refusal)
-                elif not self._handlers[op["op"]](run, op):
+                if not self.handlers.run(run, op, final=run.resumed_at == run.pc):
+                    if self.strict and self._park_behind(run, op):
+                        return progressed
                     now = time.monotonic()
                     if run.waiting_since is None:
                         run.waiting_since = now
-                        if op["op"] == "recv" and not run.reported_blocked:
+                        if isinstance(op, Recv) and not run.reported_blocked:
                             run.reported_blocked = True
-                            self._blocked.append(run.seq)
+                            self._report.blocked.append(run.seq)
                     if now - run.waiting_since < self.op_timeout:
                         return progressed
                     self._fail_op(run, op, self._timeout_failure(run, op))
+            except Failed as exc:
+                self._fail_op(run, op, exc.failure)
             except Exception as exc:  # an op's failure becomes its outputs' failure
                 self._fail_op(run, op, Failure(*to_wire(exc)))
             elapsed = time.perf_counter() - start
@@ -206,252 +198,115 @@ class Executor:
                 self._trace_op(run, op, wall, elapsed)
             with self.cond:
                 self.table.done_using(run.touches(op))
-                if "frees" in op:
-                    self.table.free([run.rid(s) for s in op["frees"]], run.tenant)
+                if op.frees:
+                    self.table.free(run.ids(op.frees), run.tenant)
             run.pc += 1
             run.waiting_since = None
             self.ops_run += 1
             progressed = True
         return progressed
 
-    def _trace_op(self, run: Run, op: dict, wall: float, elapsed: float) -> None:
-        if run.waiting_since is not None:
-            waited = time.monotonic() - run.waiting_since
-            self.events.span("wait for inputs", "wait", wall - waited, wall, seq=run.seq, op=op["op"])
-        name = op.get("name", op["op"]) if op["op"] == "exec" else op["op"]
-        args = {"seq": run.seq, "tenant": run.tenant, "program": run.label}
-        if op["op"] == "recv":
-            args.update(src_island=op["src"], bytes=int(np.prod(op["aval"]["shape"]))
-                        * dtype_from_wire(op["aval"]["dtype"]).itemsize)
-        elif op["op"] == "send":
-            args.update(dst_island=op["island"])
-        self.events.span(name, op["op"], wall, wall + elapsed, **args)
+    # -- parking (multi-host islands) ---------------------------------------------------------------------
+    def _park(self, run: Run, op: Recv) -> None:
+        with self.cond:
+            run.parked = True
+            self.runs.remove(run)
+            self.parked[run.seq] = run
+            for buffer_id in run.remaining_writes():
+                self._future[buffer_id] = run.seq
+            self.receiver.watch(run.seq, run.pc, run.rid(op.out), op, op.expected(self.host))
+        if not run.reported_blocked:
+            run.reported_blocked = True
+            self._report.blocked.append(run.seq)
 
-    def _timeout_failure(self, run: Run, op: dict) -> Failure:
-        if op["op"] == "recv":
+    def _park_behind(self, run: Run, op: Op) -> bool:
+        """Park ``run`` behind the parked run that will write a value ``op`` is missing, if there is one."""
+        with self.cond:
+            for buffer_id in run.ids(op.reads()):
+                producer = self._future.get(buffer_id)
+                if producer is not None and buffer_id not in self.table:
+                    run.parked = True
+                    self.runs.remove(run)
+                    self._behind.setdefault(producer, []).append(run)
+                    for written in run.remaining_writes():
+                        self._future.setdefault(written, producer)
+                    return True
+        return False
+
+    # -- failures -----------------------------------------------------------------------------------------
+    def _timeout_failure(self, run: Run, op: Op) -> Failure:
+        if isinstance(op, Recv):
             return Failure("IslandFailedError", f"island {self.island} waited {self.op_timeout:.0f}s for a transfer "
-                           f"from island {op['src']} (program {run.label!r}); that island is dead or stuck")
-        return Failure("PathwaysError", f"{op['op']} in program {run.label!r} waited {self.op_timeout:.0f}s for "
-                       "its inputs; a buffer it reads was never produced")
+                           f"from island {op.src} (program {run.label!r}); that island is dead or stuck")
+        return Failure("PathwaysError", f"{op.KIND} in program {run.label!r} waited {self.op_timeout:.0f}s for its "
+                       "inputs; a buffer it reads was never produced")
 
-    def _fail_op(self, run: Run, op: dict, failure: Failure) -> None:
-        kind = op["op"]
-        if kind == "send":
-            self._sender.submit(self._deliver_all, failure, run.rid(op["key"]), op["island"], op["routes"])
-        elif kind == "recv":
-            with self.cond:
-                box = self.mailbox.pop(run.rid(op["out"]), None)
-            if box is not None:
-                self._return_leases(box)
-        outs = op.get("out", [])
-        ids = [run.rid(slot) for slot in (outs if isinstance(outs, list) else [outs])]
-        if kind == "put":
-            ids.append(op["id"])
-        for buffer_id in ids:
+    def _fail_op(self, run: Run, op: Op, failure: Failure) -> None:
+        if isinstance(op, Send):
+            self.handlers.send_failure(run, op, failure)
+        elif isinstance(op, Recv):
+            self.receiver.drop(run.rid(op.out))
+        for buffer_id in run.ids(op.writes()):
             try:
                 self.table.put(buffer_id, run.tenant, failure)
-            except TenantAccessError:
-                pass  # another tenant's buffer: leave it exactly as it is
+            except Exception:  # another tenant's buffer: leave it exactly as it is
+                pass
 
-    # -- ops: each returns False when its inputs are not ready yet ------------------------------
-    def _entries(self, run: Run, slots: list[int]) -> list | None:
-        entries = []
-        for slot in slots:
-            entry = self.table.lookup(run.rid(slot), run.tenant)
-            if entry is None:
-                return None
-            entries.append(entry)
-        return entries
+    def _fail_rest(self, run: Run, failure: Failure) -> None:
+        for op in run.ops[run.pc:]:
+            for buffer_id in run.ids(op.writes()):
+                try:
+                    self.table.put(buffer_id, run.tenant, failure)
+                except Exception:
+                    pass
 
-    @staticmethod
-    def _failure_of(entries: list) -> Failure | None:
-        return next((e.value for e in entries if isinstance(e.value, Failure)), None)
-
-    def _exec(self, run: Run, op: dict) -> bool:
-        desc = run.slices[op["slice"]]
-        if not self.devices.participates(desc):
-            return True  # a slice on other hosts of this island: nothing of it lives here
-        entries = self._entries(run, op["in"])
-        if entries is None:
-            return False
-        failure = self._failure_of(entries)
-        if failure is not None:
-            self._fail_op(run, op, failure)
-            return True
-        compiled = op.get("_compiled")
-        if compiled is None:  # first run of this template op on this host
-            mesh, key = self.devices.mesh(desc)
-            compiled = op["_compiled"] = self.exes.get(op["exe"], mesh, key, op["in_specs"], op["out_specs"])
-        else:
-            self.exes.hits += 1
-        results = compiled(*[e.value for e in entries])
-        # One launch at a time: XLA's CPU collectives deadlock when many multi-device launches are in
-        # flight, and blocking makes the island time charged to each tenant (and traced) real.
-        jax.block_until_ready(results)
-        for slot, value in zip(op["out"], results):
-            self.table.put(run.rid(slot), run.tenant, value)
-        return True
-
-    def _reshard(self, run: Run, op: dict) -> bool:
-        if not self.devices.participates(run.slices[op["slice"]]):
-            return True
-        entries = self._entries(run, [op["in"]])
-        if entries is None:
-            return False
-        failure = self._failure_of(entries)
-        if failure is not None:
-            self._fail_op(run, op, failure)
-            return True
-        sharding = self.devices.sharding(run.slices[op["slice"]], spec_from_wire(op["spec"]))
-        self.table.put(run.rid(op["out"]), run.tenant, jax.device_put(entries[0].value, sharding))
-        return True
-
-    def _send(self, run: Run, op: dict) -> bool:
-        routes = op.get("_routes")
-        if routes is None:  # this host's routes of a template op: the same on every call
-            routes = op["_routes"] = [r for r in op["routes"] if r["host"] == self.host]
-        if not routes:
-            return True
-        entries = self._entries(run, [op["in"]])
-        if entries is None:
-            return False
-        args = (entries[0].value, run.rid(op["key"]), op["island"], routes)
-        if self.peers.linked(op["island"], [r["to"] for r in routes]):
-            self._deliver_all(*args)  # a frame on a socket: cheaper than a hand-off to the sender threads
-        else:
-            self._sender.submit(self._deliver_all, *args)
-        return True
-
-    def _deliver_all(self, value: Any, key: int, island: int, routes: list[dict]) -> None:
-        pieces = None if isinstance(value, Failure) else local_pieces(value)
-        for route in routes:
-            if pieces is None:
-                body = {"key": key, "src": self.island, "shards": [], "failure": [value.kind, value.message]}
-                self.peers.send(island, route["to"], body, [], self.op_timeout)
-                continue
-            start = time.time()
-            datas = [np.asarray(pieces[index_from_wire(s)]) for s in route["shards"]]
-            body = {"key": key, "src": self.island, "shards": route["shards"]}
-            direct = self.peers.send(island, route["to"], body, datas, self.op_timeout)
-            nbytes = sum(d.nbytes for d in datas)
-            self.bytes_out += nbytes
-            if self.events.enabled:
-                self.events.span("send shards", "send", start, time.time(), bytes=nbytes, dst_island=island,
-                                 dst_host=route["to"], key=key, direct=direct)
-
-    def deliver(self, msg: dict, datas: tuple) -> None:
-        """Called by a peer's send (under self.cond): file the pieces until the recv op claims them."""
-        box = self.mailbox.setdefault(msg["key"], Mailbox())
-        if msg.get("failure"):
-            box.failure = Failure(*msg["failure"])
-        for shard, data in zip(msg["shards"], datas):
-            box.pieces[index_from_wire(shard)] = data
-            if isinstance(data, np.ndarray):
-                self.bytes_in += data.nbytes
-        self.touch()
-
-    def _return_leases(self, box: Mailbox) -> None:
-        """Hand lent pieces back to their senders, copied or not: they may let go of them now."""
-        lent = [piece for piece in box.pieces.values() if isinstance(piece, Lent)]
-        if lent:
-            self.peers.give_back(lent)
-
-    def _landing(self, run: Run, op: dict) -> tuple[int, Landing] | None:
-        """How many pieces a recv op expects on this host and where its array lands (None: nothing of it
-        lands here); worked out on the op's first run, as its template is the same on every call."""
-        if "_landing" not in op:
-            expect = dict(map(tuple, op["expect"])).get(self.host)
-            if expect is None:
-                op["_landing"] = None
-            else:
-                op["_landing"] = (expect, self._land(run.slices[op["slice"]], spec_from_wire(op["spec"]),
-                                                     op["aval"]["shape"], dtype_from_wire(op["aval"]["dtype"])))
-        return op["_landing"]
-
-    def _land(self, desc: dict, spec: PartitionSpec, shape: Sequence[int], dtype: np.dtype) -> Landing:
-        """Where an array of ``shape`` and ``dtype``, sharded by ``spec`` over slice ``desc``, lands here."""
-        shape = tuple(shape)
-        return Landing(shape, np.dtype(dtype), self.devices.sharding(desc, spec),
-                       self.devices.wanted(desc, shape, spec))
-
-    def _recv(self, run: Run, op: dict) -> bool:
-        landing = self._landing(run, op)
-        if landing is None:
-            return True
-        expect, where = landing
-        out = run.rid(op["out"])
-        box = self.mailbox.get(out)
-        if box is not None and box.failure is not None:
-            self._fail_op(run, op, box.failure)
-            return True
-        if box is None or len(box.pieces) < expect:
-            if op["src"] in self.failed_islands:
-                raise IslandFailedError(f"island {op['src']} failed before its transfer to island "
-                                        f"{self.island} (program {run.label!r}) arrived")
-            return False
+    def die(self, reason: str) -> None:
+        """This host can no longer run: fail everything admitted, and every wait from now on."""
+        failure = Failure("IslandFailedError", reason)
         with self.cond:
-            del self.mailbox[out]
-        try:
-            array = assemble(where, box.pieces, self.pool.take)
-        except OSError as exc:
-            raise IslandFailedError(f"copying the shards island {op['src']} lent to island {self.island} "
-                                    f"(program {run.label!r}) failed: {exc}; the sending host died") from exc
-        finally:
-            self._return_leases(box)
-        lent = [p for p in box.pieces.values() if isinstance(p, Lent)]
-        if lent:
-            nbytes = sum(math.prod(b - a for a, b in p.index) for p in lent) * where.dtype.itemsize
-            self.bytes_in += nbytes
-            self.bytes_in_direct += nbytes
-        self.table.put(out, run.tenant, array)
-        return True
-
-    def _put(self, run: Run, op: dict) -> bool:
-        desc = op["slice"]
-        if not self.devices.participates(desc):
-            return True
-        value = op["value"]
-        spec = spec_from_wire(op["spec"])
-        if isinstance(value, dict):  # this host's shards of a scattered put
-            shape, dtype, pieces = op["aval"]["shape"], dtype_from_wire(op["aval"]["dtype"]), value
-        else:
-            shape, dtype = value.shape, value.dtype
-            pieces = {tuple((0, n) for n in shape): value}
-        self.table.put(op["id"], run.tenant, assemble(self._land(desc, spec, shape, dtype), pieces, self.pool.take))
-        return True
-
-    def island_failed(self, island: int) -> None:
-        self.peers.drop_island(island)
+            self.dead = reason
+            pending = self.runs + list(self.parked.values()) + [r for rs in self._behind.values() for r in rs]
+            self.runs, self.parked, self._behind = [], {}, {}
+        for run in pending:
+            self._fail_rest(run, failure)
+        self.table.die(failure)
         with self.cond:
-            self.failed_islands.add(island)
             self.touch()
 
+    def _trace_op(self, run: Run, op: Op, wall: float, elapsed: float) -> None:
+        if run.waiting_since is not None:
+            waited = time.monotonic() - run.waiting_since
+            self.events.span("wait for inputs", "wait", wall - waited, wall, seq=run.seq, op=op.KIND,
+                             tenant=run.tenant)
+        args = {"seq": run.seq, "tenant": run.tenant, "program": run.label}
+        if isinstance(op, Recv):
+            args.update(src_island=op.src, bytes=op.aval.nbytes)
+        elif isinstance(op, Send):
+            args.update(dst_island=op.island)
+        self.events.span(op.label() if op.KIND == "exec" else op.KIND, op.KIND, wall, wall + elapsed, **args)
+
+    # -- what a stuck client is told ----------------------------------------------------------------------
     def stalled(self, tenant: str) -> list[dict]:
-        """The tenant's admitted fragments that have not finished, and what each waits for: what a client's
-        timeout reports, so a stuck program says where it stopped."""
+        """The tenant's admitted fragments that have not finished, and what each waits for."""
         out = []
         with self.cond:
-            runs = [run for run in self.runs if run.tenant == tenant]
+            runs = [r for r in self.runs + list(self.parked.values()) if r.tenant == tenant]
         for run in runs:
             if run.pc >= len(run.ops):
                 continue
             op = run.ops[run.pc]
-            kind = op["op"]
-            if kind == "recv":
-                missing = [f"buffer {run.rid(op['out'])} from island {op['src']}"]
+            if isinstance(op, Recv):
+                missing = [f"buffer {run.rid(op.out)} from island {op.src}"]
             else:
-                name = READS.get(kind)
-                slots = op.get(name, []) if name else []
-                ids = [run.rid(s) for s in (slots if isinstance(slots, list) else [slots])]
-                missing = [f"buffer {i}" for i in ids if i not in self.table]
+                missing = [f"buffer {i}" for i in run.ids(op.reads()) if i not in self.table]
             since = run.waiting_since
-            out.append({"seq": run.seq, "program": run.label, "op": run.pc, "kind": kind,
-                        "name": op.get("name", kind), "missing": missing,
+            out.append({"seq": run.seq, "program": run.label, "op": run.pc, "kind": op.KIND, "name": op.label(),
+                        "missing": missing, "parked": run.parked,
                         "waiting_s": 0.0 if since is None else round(time.monotonic() - since, 3)})
         return out
 
     def stats(self) -> dict:
-        return {"queue_depth": len(self.runs), "completed": self.completed, "ops": self.ops_run,
-                "busy_s": self.busy_s, "mailbox": len(self.mailbox), "bytes_in": self.bytes_in,
-                "bytes_out": self.bytes_out, "bytes_in_direct": self.bytes_in_direct,
-                "lent_bytes": self.peers.lent_bytes}
+        return {"queue_depth": len(self.runs) + len(self.parked), "parked": len(self.parked),
+                "completed": self.completed, "ops": self.ops_run, "busy_s": self.busy_s,
+                "bytes_out": self.handlers.bytes_out, **self.receiver.stats(),
+                "lent_bytes": self.handlers.peers.lent_bytes}

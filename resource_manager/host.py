@@ -1,13 +1,17 @@
 """A host of an island: one Ray actor owning local JAX devices, a buffer table and an executable cache.
 
-Its devices are fixed by the actor's ``runtime_env`` before JAX is imported.
-It admits fragments in the island scheduler's sequence order, runs them, sends
-shards straight to other islands' hosts, and serves fetches with a timeout.
-Host 0 also holds the island's scheduler and serves its methods (clients'
-messages, the resource manager's grants) on a thread of their own, the
-``schedule`` concurrency group, so they never wait behind fetches. Ray does
-not keep the order of a threaded actor's calls, so clients number their
-messages and the scheduler restores the order.
+The actor is thin: every public method checks who is asking and forwards.
+Clients' methods must be signed with the client's session key (the resource
+manager tells hosts the sessions); the runtime's own (the resource manager's
+orders, host 0's ordered stream, deliveries between hosts) with the runtime
+key. Anything else is refused with an error that names no one.
+
+Host 0 of each island also holds the island's admission and scheduler and
+serves them on a thread of their own (the ``schedule`` concurrency group), so
+they never wait behind fetches: a client's message is admitted, ordered and
+handed to host 0's own executor in one actor call, and to the other hosts as
+one call per batch. Its devices are fixed by the actor's ``runtime_env`` before
+JAX is imported.
 """
 
 from __future__ import annotations
@@ -17,49 +21,56 @@ import os
 import socket
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import ray
 
-from pathways import wire
-from pathways.errors import WireFormatError, from_wire
-from pathways.events import EventLog
-from pathways.names import CLIENT_ID_BITS, FETCH_TIMED_OUT, host_name
-from pathways.sharding import dtype_from_wire, index_from_wire
+from pathways import auth, wire
+from pathways.errors import IslandFailedError, PathwaysError, TenantAccessError, WireFormatError, from_wire
+from pathways.events import EventLog, for_tenant
+from pathways.messages import CONTROL, Deliver, Fetch, Free, client_of
+from pathways.names import FETCH_TIMED_OUT
+from pathways.ops import Limits, SliceDesc, TemplateCache
+from resource_manager.admission import Admission, Admitted
 from resource_manager.buffers import BufferTable, Failure
-from resource_manager.executables import ExecutableCache
-from resource_manager.scheduler import Scheduler
+from resource_manager.grants import Grants
+from resource_manager.scheduler import Released, Resume, Scheduler
 
 SCHEDULE = "schedule"  # the concurrency group of the scheduler's methods: one thread of their own
-
-
+MAINTENANCE_S = 0.5
 log = logging.getLogger(__name__)
 
 
+def row_parts(rows: list) -> list:
+    """What a MAC over host 0's rows covers: every field, object references by id."""
+    parts: list = []
+    for row in rows:
+        seq, kind, *rest = row
+        parts += [seq, kind]
+        if kind == "resume":
+            parts += list(rest)
+            continue
+        client, tenant, payload, refs, refusal, lo, hi = rest[0]
+        parts += [client, tenant, payload, *[r.binary() for r in refs], *(refusal or ()), lo, hi]
+    return parts
+
+
 class Host:
-    def __init__(self, island: int, index: int, n_hosts: int, namespace: str, op_timeout: float) -> None:
+    """One host of island ``island``; ``start`` (by the resource manager) brings up JAX and the data plane."""
+
+    def __init__(self, island: int, index: int, n_hosts: int, op_timeout: float) -> None:
         self.island, self.index, self.n_hosts = island, index, n_hosts
-        self.namespace = namespace
         self.op_timeout = op_timeout
         self._cond = threading.Condition()
-        self._pending: dict[int, tuple] = {}
-        self._next_seq = 0
-        self._templates = wire.TemplateCache()
-        self._peers: dict[tuple[int, int], Any] = {}
-        self.scheduler = Scheduler(island, self._forward) if index == 0 else None
-        # host 0 admits its share of a batch carrying puts here, while their values arrive
-        self._admitter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="admit") if index == 0 else None
+        self._key: bytes | None = None
+        self.grants = Grants()
         self.table = BufferTable(self._cond)
-        self.exes = ExecutableCache()
         self.events = EventLog()
         self.started = time.time()
-        self.executor = None
-        self.devices = None
-        self.metrics = None
+        self._tracers: dict[int, int] = {}
 
-    # -- start-up ---------------------------------------------------------------------------------
+    # -- start-up (the resource manager) ------------------------------------------------------------------
     def coordinator(self) -> str:
         """A free address for this island's jax.distributed coordinator (called on host 0)."""
         ip = ray.util.get_node_ip_address()
@@ -67,7 +78,10 @@ class Host:
             s.bind(("", 0))
             return f"{ip}:{s.getsockname()[1]}"
 
-    def start(self, coordinator: str | None) -> dict:
+    def start(self, runtime_key: bytes, coordinator: str | None, islands: int, platform: str) -> dict:
+        """Bring up JAX (a jax.distributed group on a multi-host island) and the data plane. Once only."""
+        if self._key is not None:
+            raise PathwaysError("this host has already started")
         import jax
 
         if self.n_hosts > 1:
@@ -77,215 +91,244 @@ class Host:
         from resource_manager.buffer_pool import BufferPool
         from resource_manager.channel import open_channel
         from resource_manager.devices import LocalDevices
-        from resource_manager.direct import Peers, allow_peer_reads
+        from resource_manager.executables import ExecutableCache
         from resource_manager.executor import Executor
-
-        self.devices = LocalDevices(self.index)
-        self.pool = BufferPool()
-        self.node = ray.get_runtime_context().get_node_id()
-        allow_peer_reads()
-        self.channel = open_channel(f"pathways/{self.namespace}/{self.island}.{self.index}/{os.getpid()}",
-                                    self._on_frame)
-        peers = Peers(self.node, self.index, self._peer, self.channel)
-        self.executor = Executor(self.island, self.index, self.devices, self.table, self.exes, self._cond,
-                                 self.scheduler, strict=self.n_hosts > 1, op_timeout=self.op_timeout,
-                                 events=self.events, peers=peers, pool=self.pool)
+        from resource_manager.handlers import Handlers
+        from resource_manager.inbox import Inbox
+        from resource_manager.memory import host_budget
         from resource_manager.metrics import HostMetrics
+        from resource_manager.peers import Peers
+        from resource_manager.receive import Receiver
 
+        self._key = runtime_key
+        self.devices = LocalDevices(self.index)
+        memory, per_device = host_budget(platform, self.devices.local)
+        self.limits = Limits(self.island, islands, self.n_hosts, len(self.devices.local), memory, per_device)
+        self.node = ray.get_runtime_context().get_node_id()
+        self.pool = BufferPool()
+        self.exes = ExecutableCache(self.limits)
+        self.channel = open_channel(self._on_frame, self._allowed_peer)
+        self.peers = Peers(self.island, self.index, self.node, self.channel, runtime_key)
+        self.receiver = Receiver(self.island, self.index, self.table, self.pool, self.peers, self._cond,
+                                 self.op_timeout, self._touch)
+        handlers = Handlers(self.island, self.index, self.devices, self.table, self.exes, self.peers, self.pool,
+                            self.receiver, self.events, self.op_timeout)
+        self.executor = Executor(self.island, self.index, self.n_hosts > 1, handlers, self.receiver, self.table,
+                                 self._cond, self.op_timeout, self.events, self._on_report)
+        self.inbox = Inbox(self.island, self.index, self.executor, self.table, self.exes,
+                           TemplateCache(check=lambda t: t.check(self.limits)), self._cond)
+        self.scheduler = Scheduler(self.island, self.n_hosts) if self.index == 0 else None
+        self.admission = Admission(self.limits, self.grants, self.exes, self.op_timeout) if self.index == 0 else None
         self.metrics = HostMetrics(self.island, self.index, self.stats)
-        return {"island": self.island, "host": self.index, "pid": os.getpid(),
-                "ip": ray.util.get_node_ip_address(),
-                "node": self.node, "devices": self.devices.describe()}
+        threading.Thread(target=self._maintain, name="host-maintenance", daemon=True).start()
+        return {"island": self.island, "host": self.index, "pid": os.getpid(), "ip": ray.util.get_node_ip_address(),
+                "node": self.node, "devices": self.devices.describe(),
+                "channel": self.channel.address if self.channel is not None else "",
+                "memory_bytes": self.limits.memory_bytes, "device_bytes": self.limits.device_bytes}
 
-    def _peer(self, island: int, host: int) -> Any:
-        handle = self._peers.get((island, host))
-        if handle is None:
-            handle = ray.get_actor(host_name(island, host), namespace=self.namespace)
-            self._peers[(island, host)] = handle
-        return handle
-
-    # -- the island's scheduler (host 0) -----------------------------------------------------------
-    @ray.method(concurrency_group=SCHEDULE)
-    def submit(self, payload: bytes, refs: list | None = None) -> None:
-        self.scheduler.submit(payload, refs)
-
-    @ray.method(concurrency_group=SCHEDULE)
-    def submit_batch(self, client: int, first: int, items: list) -> None:
-        self.scheduler.submit_batch(client, first, items)
-
-    @ray.method(concurrency_group=SCHEDULE)
-    def grant(self, key: str, tenant: str, desc: dict) -> None:
-        self.scheduler.grant(key, tenant, desc)
-
-    @ray.method(concurrency_group=SCHEDULE)
-    def revoke(self, keys: list[str]) -> None:
-        self.scheduler.revoke(keys)
-
-    @ray.method(concurrency_group=SCHEDULE)
-    def grant_client(self, client: int, tenant: str) -> None:
-        self.scheduler.grant_client(client, tenant)
-
-    @ray.method(concurrency_group=SCHEDULE)
-    def revoke_client(self, client: int) -> None:
-        self.scheduler.revoke_client(client)
-
-    @ray.method(concurrency_group=SCHEDULE)
-    def set_weight(self, tenant: str, weight: float) -> None:
-        self.scheduler.set_weight(tenant, weight)
-
-    def schedule_stats(self) -> dict:
-        return self.scheduler.stats()
-
-    def _forward(self, batch: list) -> None:
-        """The scheduler's batch to every host: this one's without an actor call. A batch carrying puts
-        waits for their values on another thread, so neither the scheduler nor the executor blocks."""
-        for h in range(1, self.n_hosts):
-            self._peer(self.island, h).enqueue_batch.remote(batch)
-        if any(refs for _, _, refs, _ in batch):
-            self._admitter.submit(self._enqueue_logged, batch)
-        else:
-            self._enqueue_logged(batch)
-
-    def _enqueue_logged(self, batch: list) -> None:
-        try:
-            self.enqueue_batch(batch)
-        except Exception:  # the caller is the scheduler, not the client: say why the batch was not admitted
-            log.exception("island %d: admitting a batch failed", self.island)
-
-    # -- the island scheduler's ordered stream ----------------------------------------------------
-    def enqueue(self, seq: int, payload: bytes, refs: list | None = None, refusal: list | None = None) -> None:
-        """Accept the message with sequence number ``seq``; it is admitted once all before it are.
-
-        A message the scheduler refused (``refusal`` = [kind, message]) is admitted as a run whose every
-        output fails with that error, so the client learns why instead of waiting.
-        """
-        self.enqueue_batch([(seq, payload, refs, refusal)])
-
-    def enqueue_batch(self, items: list) -> None:
-        """Accept several ``(seq, payload, refs, refusal)`` messages in one call (see ``enqueue``): the
-        scheduler forwards all it releases at once. A malformed item raises after the others are accepted."""
-        accepted, error = [], None
-        for seq, payload, refs, refusal in items:
-            try:
-                msg = wire.decode(payload, "call", "put", "free")
-                template = self._templates.get(msg["template"]) if msg["kind"] == "call" else None
-            except WireFormatError as exc:
-                error = error or exc
-                continue
-            values = ray.get(refs, timeout=self.op_timeout) if refs and refusal is None else []
-            accepted.append((seq, msg, template, values, refusal))
+    def _touch(self) -> None:
         with self._cond:
-            for seq, *entry in accepted:
-                if seq < self._next_seq or seq in self._pending:
-                    error = error or WireFormatError(f"sequence number {seq} was already admitted on island "
-                                                     f"{self.island}")
-                    continue
-                self._pending[seq] = tuple(entry)
-            while self._next_seq in self._pending:
-                self._admit(self._next_seq, *self._pending.pop(self._next_seq))
-                self._next_seq += 1
-        if error is not None:
-            raise error
+            self.executor.touch()
 
-    def _admit(self, seq: int, msg: dict, template: dict | None, values: list, refusal: list | None) -> None:
-        from resource_manager.executor import Run
+    def _runtime(self, mac: bytes, purpose: str, *parts: Any) -> None:
+        if self._key is None or not auth.verify(self._key, mac, purpose, *parts):
+            raise TenantAccessError("refused: this method is for the runtime's own actors")
 
-        tenant = msg["tenant"]
-        if refusal is not None:
-            if msg["kind"] == "free":
-                return  # a refused free frees nothing
-            if msg["kind"] == "put":
-                ops = [{"op": "put", "id": msg["id"]}]
-                run = Run(seq, tenant, "put", ops, {})
-            else:
-                run = Run(seq, tenant, template["program"], template["ops"], template["slices"],
-                          template["n_inputs"], msg["base"], msg["inputs"])
-            run.refusal = Failure(*refusal)
-            self.executor.admit(run)
+    # -- the resource manager's orders --------------------------------------------------------------------
+    @ray.method(concurrency_group=SCHEDULE)
+    def control(self, payload: bytes, mac: bytes, handles: list | None = None) -> None:
+        """An order of the resource manager: sessions, slices, weights, peers, failed islands."""
+        self._runtime(mac, "control", payload)
+        msg = wire.decode(payload, *CONTROL)
+        kind = msg["kind"]
+        if kind == "session":
+            self.grants.add_session(msg["client"], msg["tenant"], msg["key"])
+            if self.scheduler is not None:
+                self.scheduler.set_weight(msg["tenant"], msg["weight"])
+        elif kind == "end_session":
+            self._end_session(msg["client"], msg["free"])
+        elif kind == "grant":
+            self.grants.grant(msg["slice"]["key"], msg["tenant"], SliceDesc.from_wire(msg["slice"]))
+        elif kind == "revoke":
+            self.grants.revoke(msg["keys"])
+        elif kind == "weight":
+            if self.scheduler is not None:
+                self.scheduler.set_weight(msg["tenant"], msg["weight"])
+        elif kind == "island_failed":
+            self.peers.drop_island(msg["island"])
+            with self._cond:
+                self.receiver.island_failed(msg["island"])
+        elif kind == "release_tenant":
+            self.table.free_tenant(msg["tenant"])
+        elif kind == "peers":
+            from resource_manager.peers import PeerInfo
+
+            infos = [PeerInfo(h["island"], h["host"], h["node"], h["pid"], h["channel"], handle)
+                     for h, handle in zip(msg["hosts"], handles or [])]
+            for island in self.peers.set_hosts(infos):
+                with self._cond:
+                    self.receiver.island_restored(island)
+
+    def _end_session(self, client: int, free: bool) -> None:
+        session = self.grants.remove_session(client)
+        if session is None:
             return
-        if msg["kind"] == "free":
-            self.table.free(msg["ids"], tenant)
-            if msg.get("everything"):
-                self.table.free_client(msg["client"], tenant, CLIENT_ID_BITS)
-            return
-        if msg["kind"] == "put":
-            if msg.get("per_host"):
-                hosts = sorted({h for h, _ in msg["slice"]["devices"]})
-                value = values[hosts.index(self.index)] if self.index in hosts else {}
-            else:
-                value = np.asarray(values[0]).reshape(msg["aval"]["shape"])
-            op = {"op": "put", "id": msg["id"], "slice": msg["slice"], "spec": msg["spec"], "aval": msg["aval"],
-                  "value": value}
-            self.executor.admit(Run(seq, tenant, "put", [op], {}))
-            return
-        for exe_hash, blob in msg["exes"].items():
-            self.exes.add(exe_hash, blob)
-        self.table.free(msg["frees"], tenant)
-        self.executor.admit(Run(seq, tenant, template["program"], template["ops"], template["slices"],
-                                template["n_inputs"], msg["base"], msg["inputs"]))
+        if self.admission is not None:
+            self.admission.revoke(client)
+            if free:  # in the island's order, after everything the client sent
+                entry = Admitted(client, session.tenant, b"", (), Free((), everything=True))
+                self._forward(self.scheduler.queue([entry]))
+        if session.tenant not in self.grants.tenants():
+            self.exes.drop_tenant(session.tenant)
 
-    # -- data plane -------------------------------------------------------------------------------
-    def deliver(self, meta: bytes, *pieces: np.ndarray) -> None:
-        """Shards sent by a host of another island (by Ray: another node), for a recv op here."""
-        self._file(wire.decode(meta, "deliver"), pieces)
+    # -- clients' streams (host 0) ------------------------------------------------------------------------
+    @ray.method(concurrency_group=SCHEDULE)
+    def submit_batch(self, client: int, first: int, items: list, mac: bytes) -> None:
+        """Messages ``first``, ``first + 1``, ... of ``client``'s stream, each ``(payload, refs)``, signed with
+        the client's session key. Each is admitted or refused alone; a refusal reaches its outputs."""
+        if self.admission is None:
+            raise PathwaysError(f"host {self.index} of island {self.island} takes no client messages; host 0 does")
+        parts = [first] + [p for payload, refs in _pairs(items) for p in (payload, *[r.binary() for r in refs])]
+        session = self.grants.verify(client, mac, "submit", *parts)
+        self._forward(self.scheduler.queue(self.admission.accept(client, session.tenant, first, items)))
 
-    def _on_frame(self, meta: bytes, data: memoryview) -> None:
-        """A frame from a host on this node: shards lent or carried in ``data``, or leases coming back."""
+    def _forward(self, released: Released) -> None:
+        """The scheduler's batch to every host: this one's without an actor call."""
+        if not released:
+            return
+        if self.n_hosts > 1:
+            rows = [(seq, "resume", item.seq, item.pc) if isinstance(item, Resume) else (seq, "msg", item.row())
+                    for seq, item in released]
+            mac = auth.sign(self._key, "enqueue", *row_parts(rows))
+            for h in range(1, self.n_hosts):
+                self.peers.handle(self.island, h).enqueue_batch.remote(rows, mac)
+        self.inbox.accept(released)
+
+    def _on_report(self, report: Any) -> None:
+        """The executor's report: to the scheduler on host 0 (which speaks for the island), else landings only
+        to host 0."""
+        if self.scheduler is not None:
+            released: Released = []
+            if report.blocked:
+                released += self.scheduler.blocked(report.blocked)
+            if report.done:
+                released += self.scheduler.completed(report.done)
+            if report.landed:
+                released += self.scheduler.landed(0, report.landed)
+            self._forward(released)
+        elif report.landed:
+            pairs = [list(p) for p in report.landed]
+            self.peers.handle(self.island, 0).landed.remote(self.index, pairs,
+                                                            auth.sign(self._key, "landed", self.index, *sum(pairs, [])))
+
+    @ray.method(concurrency_group=SCHEDULE)
+    def landed(self, host: int, pairs: list, mac: bytes) -> None:
+        """Host ``host`` has the data of these parked receives (multi-host islands)."""
+        self._runtime(mac, "landed", host, *sum(pairs, []))
+        self._forward(self.scheduler.landed(host, [tuple(p) for p in pairs]))
+
+    def enqueue_batch(self, rows: list, mac: bytes) -> None:
+        """Host 0's ordered rows for this host."""
+        self._runtime(mac, "enqueue", *row_parts(rows))
+        self.inbox.accept_rows(rows)
+
+    def _maintain(self) -> None:
+        """Skip clients' stream gaps that never fill; fail the host if its own order or executor stopped."""
+        while self.executor.dead is None:
+            time.sleep(MAINTENANCE_S)
+            try:
+                if self.admission is not None:
+                    expired = self.admission.expire()
+                    if expired:
+                        self._forward(self.scheduler.queue(expired))
+                if self.inbox.stuck_for() > self.op_timeout:
+                    self.executor.die(f"island {self.island} host {self.index} waited {self.op_timeout:.0f}s for "
+                                      f"sequence {self.inbox.next_seq} from host 0; the island's order is broken")
+            except Exception:  # the maintenance thread must outlive any one mistake
+                log.exception("island %d host %d: maintenance failed", self.island, self.index)
+
+    # -- data plane ---------------------------------------------------------------------------------------
+    def deliver(self, meta: bytes, mac: bytes, *pieces: np.ndarray) -> None:
+        """Shards sent by a host of another island through Ray (another node, or no channel)."""
+        self._runtime(mac, "deliver", meta)
+        msg = Deliver.from_wire(wire.decode(meta, "deliver"))
+        if msg.direct is not None or len(pieces) != len(msg.shards):
+            raise WireFormatError(f"deliver: {len(msg.shards)} shard indices but {len(pieces)} arrays")
+        with self._cond:
+            self.receiver.deliver(msg, pieces, (msg.src, msg.host))
+
+    def _allowed_peer(self, pid: int) -> bool:
+        return self.peers.on_this_node(pid) is not None
+
+    def _on_frame(self, meta: bytes, data: memoryview, pid: int) -> None:
+        """A frame from a runtime host on this node (its pid from the socket): shards lent or carried in
+        ``data``, or leases coming back."""
+        from resource_manager.direct import Lent
+
+        peer = self.peers.on_this_node(pid)
+        if peer is None:
+            raise TenantAccessError(f"a frame from pid {pid}, which is not one of this runtime's hosts")
         msg = wire.decode(meta, "deliver", "returned")
         if msg["kind"] == "returned":
-            self.executor.peers.release(msg["leases"])
+            self.peers.release(msg["leases"])
             return
+        deliver = Deliver.from_wire(msg)
+        if (deliver.src, deliver.host) != (peer.island, peer.host):
+            raise TenantAccessError(f"pid {pid} is island {peer.island} host {peer.host} but its frame claims "
+                                    f"island {deliver.src} host {deliver.host}")
         pieces: tuple = ()
-        if msg.get("dtype") is not None:  # small shards, back to back in the frame
-            dtype, offset, out = dtype_from_wire(msg["dtype"]), 0, []
-            for shard in msg["shards"]:
+        if deliver.direct is not None:
+            if len(deliver.direct.addrs) != len(deliver.shards):
+                raise WireFormatError("deliver: lent addresses and shard indices differ in number")
+            src = (peer.island, peer.host)
+            pieces = tuple(Lent(pid, addr, shard, src, deliver.direct.lease, deliver.direct.channel)
+                           for addr, shard in zip(deliver.direct.addrs, deliver.shards))
+        elif deliver.dtype is not None:  # small shards, back to back in the frame
+            dtype, offset, out = np.dtype(deliver.dtype), 0, []
+            for shard in deliver.shards:
                 shape = [b - a for a, b in shard]
                 count = int(np.prod(shape, dtype=np.int64))
+                if offset + count * dtype.itemsize > len(data):
+                    raise WireFormatError("deliver: the shards take more bytes than the frame carries")
                 out.append(np.frombuffer(data, dtype, count, offset).reshape(shape))
                 offset += count * dtype.itemsize
             if offset != len(data):
                 raise WireFormatError(f"deliver: the shards take {offset} bytes but the frame carries {len(data)}")
             pieces = tuple(out)
-        self._file(msg, pieces)
-
-    def _file(self, msg: dict, pieces: tuple) -> None:
-        from resource_manager.direct import Lent
-
-        lent = msg.get("direct")
-        if lent is not None:
-            if pieces or len(lent["addrs"]) != len(msg["shards"]):
-                raise WireFormatError(f"deliver: {len(msg['shards'])} lent shard indices but {len(lent['addrs'])} "
-                                      f"addresses and {len(pieces)} attached arrays")
-            src = (msg["src"], lent["host"])
-            pieces = tuple(Lent(lent["pid"], addr, index_from_wire(shard), src, lent["lease"], lent["channel"])
-                           for addr, shard in zip(lent["addrs"], msg["shards"]))
-        if len(pieces) != len(msg["shards"]):
-            raise WireFormatError(f"deliver: {len(msg['shards'])} shard indices but {len(pieces)} arrays")
+        if len(pieces) != len(deliver.shards):
+            raise WireFormatError(f"deliver: {len(deliver.shards)} shard indices but {len(pieces)} arrays")
         with self._cond:
-            self.executor.deliver(msg, pieces)
+            self.receiver.deliver(deliver, pieces, (peer.island, peer.host))
 
-    def probe_direct(self, node: str, pid: int, addr: int, expected: bytes) -> str:
-        """This host's channel address if it can copy lent shards out of process ``pid`` (same Ray node,
-        and permitted), else ""."""
+    def probe_direct(self, mac: bytes, node: str, pid: int, addr: int, expected: bytes) -> str:
+        """This host's channel address if it can copy lent shards out of runtime host ``pid`` (same node, and
+        the kernel permits it), else ""."""
         from resource_manager.direct import can_read
 
-        ok = self.channel is not None and node == self.node and can_read(pid, addr, expected)
+        self._runtime(mac, "probe", node, pid, addr)
+        ok = (self.channel is not None and node == self.node and self.peers.on_this_node(pid) is not None
+              and can_read(pid, addr, expected))
         return self.channel.address if ok else ""
 
-    def release_lent(self, leases: list[int]) -> None:
+    def release_lent(self, payload: bytes, mac: bytes) -> None:
         """A receiver has copied these leases' shards: let go of them."""
-        self.executor.peers.release(leases)
+        self._runtime(mac, "returned", payload)
+        self.peers.release(wire.decode(payload, "returned")["leases"])
 
-    def fetch(self, payload: bytes) -> Any:
+    # -- clients' reads -----------------------------------------------------------------------------------
+    def fetch(self, client: int, payload: bytes, mac: bytes) -> Any:
         """A buffer's value as numpy (or this host's shards of it); waits at most the given timeout."""
-        msg = wire.decode(payload, "fetch")
-        entry = self.table.wait(msg["id"], msg["tenant"], msg["timeout"])
+        session = self.grants.verify(client, mac, "fetch", payload)
+        msg = Fetch.decode(payload)
+        if client_of(msg.id) != client:
+            raise TenantAccessError(f"buffer {msg.id} is not one of your client's buffers")
+        entry = self.table.wait(msg.id, session.tenant, min(msg.timeout, 24 * 3600.0))
         if entry is None:  # the client raises its own timeout; an error here would only be logged unread
             return FETCH_TIMED_OUT
         value = entry.value
         if isinstance(value, Failure):
             raise from_wire(value.kind, value.message)
-        if msg["ready_only"]:
+        if msg.ready_only:
             value.block_until_ready()
             return None
         if value.is_fully_addressable:
@@ -294,45 +337,101 @@ class Host:
 
         return {tuple(map(tuple, idx)): np.asarray(data) for idx, data in local_pieces(value).items()}
 
-    # -- control ----------------------------------------------------------------------------------
-    def island_failed(self, island: int) -> None:
-        self.executor.island_failed(island)
+    def stalled(self, client: int, mac: bytes) -> dict:
+        """What this host's admitted fragments of the caller's tenant wait for, and how many messages it holds
+        until an earlier sequence number arrives."""
+        session = self.grants.verify(client, mac, "stalled")
+        with self._cond:
+            held = self.inbox.held()
+        return {"island": self.island, "host": self.index, "held": held,
+                "runs": self.executor.stalled(session.tenant)}
 
-    def release_tenant(self, tenant: str) -> int:
-        return self.table.free_tenant(tenant)
+    def usage(self, client: int, mac: bytes, reset_peak: bool = False) -> dict:
+        """The caller's tenant's buffers, bytes, peak bytes (restarted with ``reset_peak``) and executables."""
+        session = self.grants.verify(client, mac, "usage", int(reset_peak))
+        out = self.table.tenant_usage(session.tenant)
+        if reset_peak:
+            self.table.reset_peak(session.tenant)
+        return {**out, **self.exes.tenant_stats(session.tenant), "island": self.island, "host": self.index}
 
+    def trace_start(self, client: int, mac: bytes) -> int:
+        self.grants.verify(client, mac, "trace_start")
+        token = self.events.start()
+        self._tracers[client] = token
+        return token
+
+    def trace_stop(self, client: int, mac: bytes) -> list:
+        """The caller's trace: its tenant's events by name, everyone else's as anonymous spans."""
+        session = self.grants.verify(client, mac, "trace_stop")
+        return for_tenant(self.events.stop(self._tracers.pop(client, None)), session.tenant)
+
+    # -- health and aggregates (no tenant is named) -------------------------------------------------------
     def ping(self) -> float:
-        """This host's wall clock: also what the client uses to estimate the clock offset."""
+        """This host's wall clock (also what the client uses to estimate the clock offset); raises once the
+        host can no longer run."""
+        if self._key is not None and self.executor.dead is not None:
+            raise IslandFailedError(self.executor.dead)
         return time.time()
 
-    def trace_start(self) -> float:
-        return self.events.start()
-
-    def trace_stop(self) -> list:
-        return self.events.stop()
-
-    def reset_peak(self) -> int:
-        """Restart the buffer table's peak-bytes counter (e.g. before a step to measure); returns the old peak."""
-        return self.table.reset_peak()
-
-    def stalled(self, tenant: str) -> dict:
-        """What this host's admitted fragments of ``tenant`` wait for, and how many messages it holds until
-        an earlier sequence number arrives (see ``Executor.stalled``)."""
-        with self._cond:
-            held = len(self._pending)
-        return {"island": self.island, "host": self.index, "held": held, "runs": self.executor.stalled(tenant)}
+    def health(self) -> dict:
+        dead = self.executor.dead if self._key is not None else None
+        return {"ok": dead is None, "reason": dead or ""}
 
     def stats(self) -> dict:
+        """Counters of the whole host, with no tenant's name in them (see ``usage`` for one's own)."""
         with self._cond:
             out = {"island": self.island, "host": self.index, "pid": os.getpid(), "buffers": len(self.table),
                    "buffer_bytes": self.table.nbytes, "peak_buffer_bytes": self.table.peak_bytes,
-                   "by_tenant": self.table.by_tenant(),
-                   "compiles": self.exes.compiles, "cache_hits": self.exes.hits, "executables": len(self.exes),
-                   "next_seq": self._next_seq, "waiting": len(self._pending),
+                   "tenants": len(self.table.by_tenant()), "compiles": self.exes.compiles,
+                   "cache_hits": self.exes.hits, "executables": len(self.exes), "evictions": self.exes.evictions,
+                   "next_seq": self.inbox.next_seq, "waiting": self.inbox.held(),
                    "uptime_s": time.time() - self.started,
-                   "busy_fraction": self.metrics.busy_fraction if self.metrics is not None else 0.0}
+                   "busy_fraction": self.metrics.busy_fraction if self.metrics is not None else 0.0,
+                   "dead": self.executor.dead or ""}
             out.update(self.executor.stats())
             out.update(self.pool.stats())
             if self.channel is not None:
-                out.update(frames_in=self.channel.frames_in, frames_out=self.channel.frames_out)
+                out.update(frames_in=self.channel.frames_in, frames_out=self.channel.frames_out,
+                           channel_refused=self.channel.refused)
+        if self.scheduler is not None:
+            out["schedule"] = {k: v for k, v in self.scheduler.stats().items()
+                               if k not in ("tenant_time_s", "tenant_time_recent_s", "fragments", "weights")}
+            out["stream_gaps_waiting"] = self.admission.waiting()
         return out
+
+    def schedule_stats(self, client: int | None = None, mac: bytes = b"") -> dict:
+        """The island's share of time per tenant: the caller's tenant by name, the others as one sum."""
+        stats = self.scheduler.stats()
+        session = self.grants.verify(client, mac, "schedule_stats") if client is not None else None
+        mine = session.tenant if session is not None else None
+        out = {k: v for k, v in stats.items() if k not in ("tenant_time_s", "tenant_time_recent_s", "fragments",
+                                                              "weights")}
+        for key in ("tenant_time_s", "tenant_time_recent_s"):
+            times = stats[key]
+            out[key] = {mine: times.get(mine, 0.0)} if mine is not None else {}
+            out[key.replace("tenant", "others")] = sum(v for t, v in times.items() if t != mine)
+        return out
+
+    def census(self, mac: bytes) -> dict:
+        """Buffers and bytes per tenant: for the resource manager, to say what a restart lost."""
+        self._runtime(mac, "census")
+        return self.table.by_tenant()
+
+    def tenant_schedule(self, mac: bytes) -> dict:
+        """Every tenant's island time, by name: for the resource manager (the admin's view)."""
+        self._runtime(mac, "tenant_schedule")
+        return self.scheduler.stats()
+
+
+def _pairs(items: Any) -> list[tuple[bytes, list]]:
+    if not isinstance(items, list):
+        raise WireFormatError("a batch is a list of (payload, refs) pairs")
+    out = []
+    for item in items:
+        if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], bytes)):
+            raise WireFormatError("a batch is a list of (payload, refs) pairs")
+        refs = item[1] or []
+        if not isinstance(refs, list) or not all(isinstance(r, ray.ObjectRef) for r in refs):
+            raise WireFormatError("a message's object references must be a list of ray.ObjectRef")
+        out.append((item[0], refs))
+    return out

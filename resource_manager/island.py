@@ -16,7 +16,6 @@ from typing import Any
 
 import ray
 
-from pathways.names import host_name
 from pathways.topology import Topology
 from resource_manager.host import SCHEDULE, Host
 from resource_manager.nodes import IslandPlacement, alive_nodes, reserve, user_labels
@@ -24,11 +23,17 @@ from resource_manager.nodes import IslandPlacement, alive_nodes, reserve, user_l
 
 @dataclass
 class Island:
+    """An island's hosts as started (host 0 holds its scheduler); ``epoch`` counts its restarts."""
+
     index: int
-    scheduler: Any  # host 0's handle, which serves the scheduler's methods
     hosts: list[Any]
     host_info: list[dict]
     placement: IslandPlacement
+    epoch: int = 0
+
+    @property
+    def scheduler(self) -> Any:
+        return self.hosts[0]
 
 
 # Large allocations on transparent huge pages (glibc >= 2.35; ignored by others): XLA's CPU buffers then
@@ -50,25 +55,51 @@ def host_runtime_env(topology: Topology) -> dict:
                          "MALLOC_ARENA_MAX": arenas}}
 
 
-def start_islands(topology: Topology, namespace: str, op_timeout: float, start_timeout: float) -> list[Island]:
-    """Reserve every island's node, start all hosts in parallel (each island a jax.distributed group when
+def start_islands(topology: Topology, runtime_key: bytes, op_timeout: float, start_timeout: float) -> list[Island]:
+    """Reserve every island's node and start all hosts in parallel (each island a jax.distributed group when
     it has several hosts); host 0 of each island holds its scheduler."""
     placements = reserve(topology, start_timeout)
+    started = [_create(topology, p, op_timeout) for p in placements]
+    infos = _start(topology, started, runtime_key, start_timeout)
+    return [Island(p.island, hosts, info, p) for p, hosts, info in zip(placements, started, infos)]
+
+
+def restart_island(topology: Topology, island: Island, runtime_key: bytes, op_timeout: float,
+                   timeout: float) -> Island:
+    """New hosts for a failed island, in its placement group: empty buffer tables, a new epoch."""
+    for host in island.hosts:
+        try:
+            ray.kill(host, no_restart=True)
+        except Exception:  # already dead: that is why it restarts
+            pass
+    hosts = _create(topology, island.placement, op_timeout)
+    try:
+        (info,) = _start(topology, [hosts], runtime_key, timeout)
+    except BaseException:
+        for host in hosts:
+            ray.kill(host, no_restart=True)
+        raise
+    return Island(island.index, hosts, info, island.placement, island.epoch + 1)
+
+
+def _create(topology: Topology, p: IslandPlacement, op_timeout: float) -> list[Any]:
     n = topology.hosts_per_island
     gpus = topology.devices_per_host if topology.platform == "gpu" else 0
     actor = ray.remote(concurrency_groups={SCHEDULE: 1})(Host)
-    options = {"num_cpus": 0, "num_gpus": gpus, "max_concurrency": 64, "namespace": namespace,
-               "runtime_env": host_runtime_env(topology)}
-    hosts = [[actor.options(name=host_name(p.island, h), scheduling_strategy=p.strategy_for(h), **options)
-              .remote(p.island, h, n, namespace, op_timeout) for h in range(n)] for p in placements]
-    coordinators = ray.get([hs[0].coordinator.remote() for hs in hosts], timeout=start_timeout) if n > 1 \
-        else [None] * topology.islands
-    starts = [[h.start.remote(c) for h in hs] for hs, c in zip(hosts, coordinators)]
-    infos = [ray.get(s, timeout=start_timeout) for s in starts]
+    options = {"num_cpus": 0, "num_gpus": gpus, "max_concurrency": 64, "runtime_env": host_runtime_env(topology)}
+    return [actor.options(scheduling_strategy=p.strategy_for(h), **options).remote(p.island, h, n, op_timeout)
+            for h in range(n)]
+
+
+def _start(topology: Topology, islands: list[list[Any]], runtime_key: bytes, timeout: float) -> list[list[dict]]:
+    n = topology.hosts_per_island
+    coordinators = ray.get([hs[0].coordinator.remote() for hs in islands], timeout=timeout) if n > 1 \
+        else [None] * len(islands)
+    starts = [[h.start.remote(runtime_key, c, topology.islands, topology.platform) for h in hs]
+              for hs, c in zip(islands, coordinators)]
+    infos = [ray.get(s, timeout=timeout) for s in starts]
     nodes = alive_nodes()
-    islands = []
-    for p, hs, info in zip(placements, hosts, infos):
+    for info in infos:
         for host in info:
             host["node_labels"] = user_labels(host["node"], nodes)
-        islands.append(Island(p.island, hs[0], hs, info, p))
-    return islands
+    return infos

@@ -13,6 +13,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from pathways.errors import ResourceError
+from pathways.ops import SliceDesc
 from pathways.topology import Topology
 
 
@@ -25,6 +26,9 @@ class Allocation:
     shape: tuple[int, ...]
     axes: tuple[str, ...]
     devices: list[tuple[int, int]]  # (host, local device), mesh row-major
+
+    def desc(self) -> SliceDesc:
+        return SliceDesc(self.key, self.shape, self.axes, tuple(tuple(d) for d in self.devices))
 
     def to_wire(self) -> dict:
         return {"key": self.key, "shape": list(self.shape), "axes": list(self.axes),

@@ -55,8 +55,8 @@ def test_readme_example(slices):
     assert len(f._cache) == 1
 
     lowered = lower(graph, f._cache[next(iter(f._cache))].exes)
-    ops0 = [(op["op"], op.get("frees", [])) for op in lowered.fragments[0].ops]
-    ops1 = [(op["op"], op.get("frees", [])) for op in lowered.fragments[1].ops]
+    ops0 = [(op.KIND, list(op.frees)) for op in lowered.fragments[0].ops]
+    ops1 = [(op.KIND, list(op.frees)) for op in lowered.fragments[1].ops]
     # x (slot 1) is freed after its last use (c), c's output (slot 4) after the final a; outputs are kept
     assert ops0 == [("exec", []), ("send", []), ("exec", [1]), ("exec", [4])]
     assert ops1 == [("recv", []), ("exec", [2])]

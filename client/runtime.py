@@ -1,0 +1,114 @@
+"""Finding a Ray cluster and the pathways runtime on it, or starting them.
+
+``pw.init()`` with no address starts an embedded local Ray instance, unless a
+live cluster's address is recorded on this machine. A recorded address whose
+cluster died without ``ray stop`` would make ``ray.init`` retry the dead GCS
+for minutes, so every address is checked first: a stale recorded one is
+ignored (with a log line) and an explicit one that does not answer fails in
+seconds, saying so.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from pathways import wire
+from pathways.errors import PathwaysError, ResourceError, from_wire
+from pathways.names import NAMESPACE, RESOURCE_MANAGER
+from pathways.topology import Topology
+
+CONNECT_TIMEOUT_S = 3.0
+log = logging.getLogger(__name__)
+
+
+def reachable(address: str, timeout: float = CONNECT_TIMEOUT_S) -> bool:
+    """Whether something accepts TCP connections at ``host:port``."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+def connect(address: str | None) -> bool:
+    """Attach this process to the Ray cluster at ``address`` (or start an embedded one when None); returns
+    whether this process started it."""
+    if ray.is_initialized():
+        return False
+    if address:
+        if address != "auto" and not reachable(address):
+            raise PathwaysError(f"no Ray cluster answers at {address} (nothing accepts connections there within "
+                                f"{CONNECT_TIMEOUT_S:.0f}s); start one (`pathways up`) or fix the address")
+        _use_token_auth()
+        ray.init(address=address, namespace=NAMESPACE, logging_level=logging.WARNING)
+        return False
+    from ray._private.utils import read_ray_address
+
+    recorded = read_ray_address()
+    if recorded and reachable(recorded):
+        _use_token_auth()
+        ray.init(address=recorded, namespace=NAMESPACE, logging_level=logging.WARNING)
+        return False
+    if recorded:
+        log.warning("ignoring the Ray address recorded on this machine (%s): no cluster answers there; starting "
+                    "an embedded local cluster", recorded)
+    ray.init(address="local", namespace=NAMESPACE, include_dashboard=False, logging_level=logging.WARNING)
+    return True
+
+
+def _use_token_auth() -> None:
+    """Ray 2.60 clusters require token authentication, but only a process that *starts* a cluster turns it
+    on for itself; an attaching process must opt in, or the GCS refuses it. Opt in when a token exists,
+    with Ray's own helper (it also refreshes Ray's cached config), where this Ray version has one."""
+    try:
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+    except ImportError:  # a Ray without token authentication
+        return
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+
+
+def find_runtime() -> Any | None:
+    """The resource manager running on this Ray cluster, if any."""
+    try:
+        return ray.get_actor(RESOURCE_MANAGER, namespace=NAMESPACE)
+    except ValueError:
+        return None
+
+
+def start_runtime(topology: Topology, op_timeout: float, start_timeout: float, admin_digest: str | None,
+                  registry_path: str | None = None, implicit: dict | None = None,
+                  default_quota: int | None = None) -> Any:
+    """The resource manager (a detached actor that starts and owns the islands), created unless one runs
+    already; ResourceError if the running one has another topology."""
+    from resource_manager.manager import ResourceManager
+
+    rm = ray.remote(ResourceManager).options(
+        name=RESOURCE_MANAGER, namespace=NAMESPACE, lifetime="detached", get_if_exists=True, num_cpus=0,
+        max_concurrency=4, resources={"node:__internal_head__": 0.001},  # the head outlives worker nodes
+    ).remote(topology.to_wire(), op_timeout, start_timeout, admin_digest, registry_path, implicit, default_quota)
+    running = Topology.from_wire(ready(rm, start_timeout)["topology"])
+    if running != topology:
+        raise ResourceError(f"the cluster already runs {running}; you asked for {topology}. "
+                            "Call pw.init() without a topology to attach, or start a new cluster")
+    return rm
+
+
+def ready(rm: Any, timeout: float) -> dict:
+    try:
+        raw = ray.get(rm.ready.remote(), timeout=timeout)
+    except GetTimeoutError:
+        raise PathwaysError(f"the pathways runtime did not start within {timeout:.0f}s") from None
+    except RayActorError as exc:
+        raise ResourceError(f"the pathways runtime could not start: {exc}") from None
+    msg = wire.decode(raw, "reply")
+    if not msg["ok"]:
+        raise from_wire(*msg["value"])
+    return msg["value"]

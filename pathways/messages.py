@@ -1,0 +1,199 @@
+"""The runtime's messages, each defined once: its fields, its wire schema, and its typed form.
+
+A client sends an island's scheduler three kinds, in its numbered stream:
+``Call`` (run a fragment template with these buffer ids), ``Put`` (place a host
+value on a slice) and ``Free`` (drop buffers). Hosts send each other ``Deliver``
+(shards for a receive) and ``Returned`` (leases of lent shards coming back).
+The resource manager's requests and replies are declared at the end.
+
+Who sent a message is never a field: a client's stream and requests are
+signed with its session key (``pathways.auth``), so the island knows the
+client, and from the resource manager its tenant.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pathways import wire
+from pathways.errors import WireFormatError
+from pathways.ops import MAX_SHARDS, Aval, Region, SliceDesc, WireSpec, region_of, spec_of, spec_to_list
+
+CLIENT_ID_BITS = 40  # buffer ids are (client id << 40) | counter, minted by the client
+MAX_ID = (1 << 63) - 1
+
+
+def client_of(buffer_id: int) -> int:
+    """The client whose id space a buffer id belongs to."""
+    return buffer_id >> CLIENT_ID_BITS
+
+
+@dataclass(frozen=True)
+class Call:
+    """Run the fragment ``template`` once: ``inputs`` are the ids of its input slots, and slot ``s`` of
+    everything it produces gets id ``base + s``. ``exes`` carries executables the island has not seen
+    from this client yet (by content hash); ``frees`` are ids the client dropped meanwhile."""
+
+    template: bytes
+    base: int
+    inputs: tuple[int, ...]
+    exes: Mapping[str, bytes]
+    frees: tuple[int, ...]
+
+    def encode(self) -> bytes:
+        return wire.encode("call", {"template": self.template, "base": self.base, "inputs": list(self.inputs),
+                                    "exes": dict(self.exes), "frees": list(self.frees)})
+
+
+@dataclass(frozen=True)
+class Put:
+    """Place a host value (sent beside the message) on a slice as buffer ``id``; with ``per_host`` each
+    host of the slice receives only its own shards."""
+
+    id: int
+    slice: SliceDesc
+    spec: WireSpec
+    aval: Aval
+    per_host: bool = False
+
+    def encode(self) -> bytes:
+        body: dict[str, Any] = {"id": self.id, "slice": self.slice.to_wire(), "spec": spec_to_list(self.spec),
+                                "aval": self.aval.to_wire()}
+        if self.per_host:
+            body["per_host"] = True
+        return wire.encode("put", body)
+
+
+@dataclass(frozen=True)
+class Free:
+    """Drop buffers (once the ops admitted before this message are done with them); ``everything`` drops
+    every buffer of the sending client."""
+
+    ids: tuple[int, ...]
+    everything: bool = False
+
+    def encode(self) -> bytes:
+        return wire.encode("free", {"ids": list(self.ids), "everything": self.everything})
+
+
+Request = Call | Put | Free
+
+
+def decode_request(payload: bytes) -> Request:
+    """A client's message to an island, typed; raises WireFormatError when it is not one."""
+    msg = wire.decode(payload, "call", "put", "free")
+    kind = msg["kind"]
+    if kind == "call":
+        return Call(msg["template"], msg["base"], tuple(msg["inputs"]), msg["exes"], tuple(msg["frees"]))
+    if kind == "put":
+        return Put(msg["id"], SliceDesc.from_wire(msg["slice"]), spec_of(msg["spec"]), Aval.from_wire(msg["aval"]),
+                   bool(msg.get("per_host")))
+    return Free(tuple(msg["ids"]), bool(msg.get("everything")))
+
+
+@dataclass(frozen=True)
+class Fetch:
+    """Read buffer ``id`` (or only wait until it is ready), waiting at most ``timeout`` seconds."""
+
+    id: int
+    timeout: float
+    ready_only: bool
+
+    def encode(self) -> bytes:
+        return wire.encode("fetch", {"id": self.id, "timeout": self.timeout, "ready_only": self.ready_only})
+
+    @classmethod
+    def decode(cls, payload: bytes) -> Fetch:
+        msg = wire.decode(payload, "fetch")
+        timeout = float(msg["timeout"])
+        if not math.isfinite(timeout) or timeout < 0:
+            raise WireFormatError(f"fetch.timeout must be a finite number of seconds >= 0, got {timeout!r}")
+        return cls(msg["id"], timeout, msg["ready_only"])
+
+
+@dataclass(frozen=True)
+class Lending:
+    """Shards a same-node sender keeps in its own memory for the receiver to copy: its lease and addresses."""
+
+    lease: int
+    addrs: tuple[int, ...]
+    channel: str  # where the lease goes back
+
+
+@dataclass(frozen=True)
+class Deliver:
+    """Shards sent by host ``host`` of island ``src`` for receive id ``key`` (or the failure that replaced
+    them). The arrays travel beside the message, lent in the sender's memory (``direct``), or back to back
+    in a socket frame (``dtype`` given)."""
+
+    key: int
+    src: int
+    host: int
+    shards: tuple[Region, ...]
+    failure: tuple[str, str] | None = None
+    direct: Lending | None = None
+    dtype: str | None = None
+
+    def encode(self) -> bytes:
+        body: dict[str, Any] = {"key": self.key, "src": self.src, "host": self.host,
+                                "shards": [[list(r) for r in s] for s in self.shards]}
+        if self.failure is not None:
+            body["failure"] = list(self.failure)
+        if self.direct is not None:
+            body["direct"] = {"lease": self.direct.lease, "addrs": list(self.direct.addrs),
+                              "channel": self.direct.channel}
+        if self.dtype is not None:
+            body["dtype"] = self.dtype
+        return wire.encode("deliver", body)
+
+    @classmethod
+    def from_wire(cls, msg: Mapping) -> Deliver:
+        if len(msg["shards"]) > MAX_SHARDS:
+            raise WireFormatError(f"deliver: {len(msg['shards'])} shards, over the limit of {MAX_SHARDS}")
+        failure = msg.get("failure")
+        if failure is not None and len(failure) != 2:
+            raise WireFormatError("deliver.failure must be [kind, message]")
+        d = msg.get("direct")
+        direct = None if d is None else Lending(d["lease"], tuple(d["addrs"]), d["channel"])
+        return cls(msg["key"], msg["src"], msg["host"], tuple(region_of(s) for s in msg["shards"]),
+                   None if failure is None else (failure[0], failure[1]), direct, msg.get("dtype"))
+
+
+wire.register("call", {"template": bytes, "base": int, "inputs": ("list", int), "exes": ("map", bytes),
+                       "frees": ("list", int)})
+wire.register("put", {"id": int, "slice": wire.SLICE, "spec": wire.SPEC, "aval": wire.AVAL, "per_host": ("opt", bool)})
+wire.register("free", {"ids": ("list", int), "everything": ("opt", bool)})
+wire.register("fetch", {"id": int, "timeout": float, "ready_only": bool})
+wire.register("deliver", {"key": int, "src": int, "host": int, "shards": ("list", ("list", ("list", int))),
+                          "failure": ("opt", ("list", str)),
+                          "direct": ("opt", {"lease": int, "addrs": ("list", int), "channel": str}),
+                          "dtype": ("opt", str)})
+wire.register("returned", {"leases": ("list", int)})
+wire.register("reply", {"ok": bool, "value": wire.ANY})
+
+# -- the resource manager's requests -------------------------------------------------------------------
+# A session is opened with a tenant's credential (or a job's one-time ticket); the other requests are signed
+# with the session key; admin requests carry the admin credential.
+wire.register("open", {"tenant": str, "credential": ("opt", str), "ticket": ("opt", str), "pid": int,
+                       "job": ("opt", str)})
+wire.register("allocate", {"shape": ("list", int), "axes": ("list", str), "island": ("opt", int)})
+wire.register("release", {"slice": str})
+wire.register("close", {})
+wire.register("state", {})
+wire.register("suspect", {"island": int, "reason": str})
+wire.register("ticket", {"tenant": str, "credential": str, "job": str})
+wire.register("admin", {"credential": str, "op": str, "args": ("map", wire.ANY)})
+
+# -- the resource manager's orders to its hosts (signed with the runtime key) ---------------------------
+wire.register("session", {"client": int, "tenant": str, "key": bytes, "weight": float})
+wire.register("end_session", {"client": int, "free": bool})
+wire.register("grant", {"slice": wire.SLICE, "tenant": str})
+wire.register("revoke", {"keys": ("list", str)})
+wire.register("weight", {"tenant": str, "weight": float})
+wire.register("island_failed", {"island": int})
+wire.register("release_tenant", {"tenant": str})
+wire.register("peers", {"hosts": ("list", {"island": int, "host": int, "node": str, "pid": int, "channel": str})})
+CONTROL = ("session", "end_session", "grant", "revoke", "weight", "island_failed", "release_tenant", "peers")

@@ -1,0 +1,521 @@
+"""The ops of a fragment, defined once: what each reads and writes, its wire form, and its validation.
+
+Lowering (client side) builds these; an island decodes a fragment's template
+once into them, checks it against what the island can hold (``Template.check``),
+and its scheduler and executor use the same objects. Ops name values by *slot*
+(a position in the program); each call supplies the buffer ids: its inputs,
+and a block of fresh ids minted by the client for everything it produces.
+
+A template that passes ``check`` cannot name a slot out of range, read a value
+that no earlier op (or input) wrote, write an input, free a value it does not
+own, name a slice, host or island that does not exist, or announce an array
+larger than an island host's memory.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from pathways import wire
+from pathways.errors import ProgramError, ResourceError, WireFormatError
+from pathways.sharding import check_spec, dtype_from_wire, spec_from_wire
+
+WireSpec = tuple  # a PartitionSpec's wire form: entries None | axis name | tuple of axis names
+Region = tuple[tuple[int, int], ...]  # (start, stop) per dimension
+
+MAX_OPS = 1 << 17
+MAX_VALUES = 1 << 24
+MAX_SHARDS = 1 << 14
+MAX_RANK = 64
+_HASH = re.compile(r"^[0-9a-f]{64}$")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one island can hold; every template and put is checked against it before it is admitted."""
+
+    island: int
+    islands: int
+    hosts: int
+    devices_per_host: int
+    memory_bytes: int  # per host: what arrays landing on one host may take in all
+    device_bytes: int  # per device: what one device's shard may take
+
+
+def spec_of(entries: Sequence) -> WireSpec:
+    """A hashable wire spec from its msgpack form."""
+    return tuple(tuple(e) if isinstance(e, list) else e for e in entries)
+
+
+def spec_to_list(spec: WireSpec) -> list:
+    return [list(e) if isinstance(e, tuple) else e for e in spec]
+
+
+def spec_axes(spec: WireSpec) -> list[str]:
+    return [a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)]
+
+
+def dtype_of(name: str) -> np.dtype:
+    """A dtype from its wire name (JAX's extended ones included), or WireFormatError."""
+    try:
+        return dtype_from_wire(name)
+    except TypeError:
+        raise WireFormatError(f"unknown dtype {name!r}") from None
+
+
+@dataclass(frozen=True)
+class Aval:
+    """An array's global shape and dtype."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    @classmethod
+    def from_wire(cls, d: Mapping) -> Aval:
+        return cls(tuple(d["shape"]), d["dtype"])
+
+    def to_wire(self) -> dict:
+        return {"shape": list(self.shape), "dtype": self.dtype}
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * dtype_of(self.dtype).itemsize
+
+    def check(self, what: str) -> None:
+        if len(self.shape) > MAX_RANK or any(n < 0 for n in self.shape):
+            raise ProgramError(f"{what}: shape {self.shape} is not a valid array shape")
+        dtype_of(self.dtype)
+
+    def describe(self) -> str:
+        return f"{self.dtype}{list(self.shape)}"
+
+
+@dataclass(frozen=True)
+class SliceDesc:
+    """A virtual slice as placed on an island: its mesh and the (host, local device) of each mesh device."""
+
+    key: str
+    shape: tuple[int, ...]
+    axes: tuple[str, ...]
+    devices: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def from_wire(cls, d: Mapping) -> SliceDesc:
+        return cls(d["key"], tuple(d["shape"]), tuple(d["axes"]), tuple(tuple(x) for x in d["devices"]))
+
+    def to_wire(self) -> dict:
+        return {"key": self.key, "shape": list(self.shape), "axes": list(self.axes),
+                "devices": [list(x) for x in self.devices]}
+
+    @property
+    def hosts(self) -> tuple[int, ...]:
+        return tuple(sorted({h for h, _ in self.devices}))
+
+    def check(self, limits: Limits) -> None:
+        what = f"slice {self.key!r}"
+        if (not self.shape or len(self.shape) != len(self.axes) or any(n < 1 for n in self.shape)
+                or math.prod(self.shape) != len(self.devices)):
+            raise ProgramError(f"{what}: mesh {self.shape} over axes {self.axes} does not match its "
+                               f"{len(self.devices)} devices")
+        if len(set(self.axes)) != len(self.axes) or not all(self.axes):
+            raise ProgramError(f"{what}: axis names {self.axes} must be distinct and non-empty")
+        if len(set(self.devices)) != len(self.devices):
+            raise ProgramError(f"{what}: a device appears twice")
+        for h, d in self.devices:
+            if not (0 <= h < limits.hosts and 0 <= d < limits.devices_per_host):
+                raise ResourceError(f"{what}: device (host {h}, device {d}) does not exist on island "
+                                    f"{limits.island} ({limits.hosts} host(s) x {limits.devices_per_host} devices)")
+
+    def check_spec(self, spec: WireSpec, shape: Sequence[int] | None, what: str) -> None:
+        """The spec names only this slice's axes, each once; with ``shape``, it also divides the array."""
+        if not isinstance(spec, tuple):
+            raise ProgramError(f"{what}: a sharding spec must be a list, got {spec!r}")
+        axes = spec_axes(spec)
+        unknown = [a for a in axes if a not in self.axes]
+        if unknown or len(set(axes)) != len(axes):
+            raise ProgramError(f"{what}: spec {list(spec)} must name each of the slice's axes {self.axes} at "
+                               "most once")
+        if shape is not None:
+            check_spec(spec_from_wire(spec), shape, self.shape, self.axes, what)
+
+
+class Op:
+    """Base of the fragment ops: which slots it reads, writes, and frees right after it runs."""
+
+    KIND: ClassVar[str]
+    frees: tuple[int, ...]
+
+    def reads(self) -> tuple[int, ...]:
+        return ()
+
+    def writes(self) -> tuple[int, ...]:
+        return ()
+
+    def touches(self) -> tuple[int, ...]:
+        return self.reads() + self.writes()
+
+    def label(self) -> str:
+        return self.KIND
+
+    def check(self, template: Template, limits: Limits) -> None:
+        """Meaning beyond the schema, once the template's slot bookkeeping has been checked."""
+
+
+@dataclass(frozen=True)
+class Exec(Op):
+    """Run compiled function ``exe`` on a slice: inputs and outputs by slot, with their shardings."""
+
+    KIND: ClassVar[str] = "exec"
+    exe: str
+    slice: str
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    in_specs: tuple[WireSpec, ...]
+    out_specs: tuple[WireSpec, ...]
+    name: str
+    frees: tuple[int, ...] = ()
+    donate: tuple[int, ...] = ()  # positions in ``inputs`` whose buffers XLA may reuse for outputs
+
+    def reads(self) -> tuple[int, ...]:
+        return self.inputs
+
+    def writes(self) -> tuple[int, ...]:
+        return self.outputs
+
+    def label(self) -> str:
+        return self.name
+
+    def check(self, template: Template, limits: Limits) -> None:
+        what = f"op exec {self.name!r}"
+        if not _HASH.match(self.exe):
+            raise WireFormatError(f"{what}: executable hash {self.exe[:80]!r} is not a sha256 hex digest")
+        desc = template.slice(self.slice, what)
+        if len(self.in_specs) != len(self.inputs) or len(self.out_specs) != len(self.outputs):
+            raise ProgramError(f"{what}: {len(self.inputs)} inputs and {len(self.outputs)} outputs but "
+                               f"{len(self.in_specs)} and {len(self.out_specs)} specs")
+        for k, spec in enumerate(self.in_specs + self.out_specs):
+            desc.check_spec(spec, None, f"{what} spec {k}")
+        if len(set(self.donate)) != len(self.donate) or not all(0 <= d < len(self.inputs) for d in self.donate):
+            raise ProgramError(f"{what}: donated positions {list(self.donate)} are not distinct positions of its "
+                               f"{len(self.inputs)} inputs")
+
+
+@dataclass(frozen=True)
+class Route:
+    """The shards one source host sends to one destination host."""
+
+    host: int
+    to: int
+    shards: tuple[Region, ...]
+
+    @classmethod
+    def from_wire(cls, d: Mapping) -> Route:
+        return cls(d["host"], d["to"], tuple(region_of(s) for s in d["shards"]))
+
+    def to_wire(self) -> dict:
+        return {"host": self.host, "to": self.to, "shards": [[list(r) for r in s] for s in self.shards]}
+
+
+def region_of(shard: Sequence[Sequence[int]]) -> Region:
+    """A region from its wire form; raises WireFormatError unless it is (start, stop) pairs, start <= stop."""
+    out = []
+    for pair in shard:
+        if len(pair) != 2 or not 0 <= pair[0] <= pair[1]:
+            raise WireFormatError(f"a shard region is (start, stop) pairs with 0 <= start <= stop, got {pair!r}")
+        out.append((int(pair[0]), int(pair[1])))
+    if len(out) > MAX_RANK:
+        raise WireFormatError(f"a shard region of rank {len(out)} is over the limit of {MAX_RANK}")
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Send(Op):
+    """Send a value's shards to another island's hosts, where a Recv with receive slot ``key`` takes them."""
+
+    KIND: ClassVar[str] = "send"
+    source: int
+    key: int
+    island: int
+    routes: tuple[Route, ...]
+    frees: tuple[int, ...] = ()
+
+    def reads(self) -> tuple[int, ...]:
+        return (self.source,)
+
+    def check(self, template: Template, limits: Limits) -> None:
+        if not 0 <= self.island < limits.islands or self.island == limits.island:
+            raise ResourceError(f"op send: island {self.island} is not another island of this cluster "
+                                f"({limits.islands} islands)")
+        if not template.n_inputs <= self.key < template.n_values:
+            raise ProgramError(f"op send: receive slot {self.key} is not a value of this call")
+        if len(self.routes) > limits.hosts * limits.hosts:
+            raise ProgramError(f"op send: {len(self.routes)} routes between {limits.hosts}-host islands")
+        for r in self.routes:
+            if not (0 <= r.host < limits.hosts and 0 <= r.to < limits.hosts) or len(r.shards) > MAX_SHARDS:
+                raise ProgramError(f"op send: route host {r.host} -> host {r.to} with {len(r.shards)} shards does "
+                                   f"not fit {limits.hosts}-host islands")
+
+
+@dataclass(frozen=True)
+class Expect:
+    """How many pieces destination host ``host`` waits for, and the source hosts allowed to send them."""
+
+    host: int
+    count: int
+    senders: tuple[int, ...]
+
+    @classmethod
+    def from_wire(cls, d: Mapping) -> Expect:
+        return cls(d["host"], d["count"], tuple(d["from"]))
+
+    def to_wire(self) -> dict:
+        return {"host": self.host, "count": self.count, "from": list(self.senders)}
+
+
+@dataclass(frozen=True)
+class Recv(Op):
+    """Take the shards island ``src`` sends for slot ``out`` and land them as an array on a slice."""
+
+    KIND: ClassVar[str] = "recv"
+    out: int
+    slice: str
+    spec: WireSpec
+    aval: Aval
+    src: int
+    expect: tuple[Expect, ...]
+    frees: tuple[int, ...] = ()
+
+    def writes(self) -> tuple[int, ...]:
+        return (self.out,)
+
+    def expected(self, host: int) -> Expect | None:
+        return next((e for e in self.expect if e.host == host), None)
+
+    def check(self, template: Template, limits: Limits) -> None:
+        what = f"op recv of {self.aval.describe()}"
+        self.aval.check(what)
+        desc = template.slice(self.slice, what)
+        desc.check_spec(self.spec, self.aval.shape, what)
+        check_fits(self.aval, self.spec, desc, limits, what)
+        if not 0 <= self.src < limits.islands or self.src == limits.island:
+            raise ResourceError(f"{what}: source island {self.src} is not another island of this cluster")
+        for e in self.expect:
+            if not (0 <= e.host < limits.hosts and 1 <= e.count <= MAX_SHARDS
+                    and all(0 <= s < limits.hosts for s in e.senders) and e.senders):
+                raise ProgramError(f"{what}: host {e.host} expects {e.count} pieces from hosts {list(e.senders)}, "
+                                   f"which does not fit {limits.hosts}-host islands")
+
+
+@dataclass(frozen=True)
+class Reshard(Op):
+    """Reshard a value to another spec on the same host (no transfer)."""
+
+    KIND: ClassVar[str] = "reshard"
+    source: int
+    out: int
+    slice: str
+    spec: WireSpec
+    frees: tuple[int, ...] = ()
+
+    def reads(self) -> tuple[int, ...]:
+        return (self.source,)
+
+    def writes(self) -> tuple[int, ...]:
+        return (self.out,)
+
+    def check(self, template: Template, limits: Limits) -> None:
+        template.slice(self.slice, "op reshard").check_spec(self.spec, None, "op reshard")
+
+
+def check_fits(aval: Aval, spec: WireSpec, desc: SliceDesc, limits: Limits, what: str) -> None:
+    """ResourceError unless an array of ``aval`` sharded by ``spec`` on ``desc`` fits each host it lands on
+    (on CPU a host's devices share its memory, so a replicated array counts once per device)."""
+    sizes = dict(zip(desc.axes, desc.shape))
+    parts = math.prod(sizes.get(a, 1) for a in spec_axes(spec))
+    shard = aval.nbytes // max(parts, 1)
+    per_host = max(sum(1 for h, _ in desc.devices if h == host) for host in desc.hosts)
+    need = shard * per_host
+    if shard > limits.device_bytes or need > limits.memory_bytes:
+        raise ResourceError(f"{what}: {aval.describe()} needs {need / 2**30:.3g} GiB on a host of island "
+                            f"{limits.island}, which holds at most {limits.memory_bytes / 2**30:.3g} GiB "
+                            f"({limits.device_bytes / 2**30:.3g} GiB per device)")
+
+
+_OP_SCHEMAS: dict[str, dict] = {
+    "exec": {"op": str, "exe": str, "slice": str, "in": ("list", int), "out": ("list", int),
+             "in_specs": ("list", wire.SPEC), "out_specs": ("list", wire.SPEC), "name": str,
+             "frees": ("opt", ("list", int)), "donate": ("opt", ("list", int))},
+    "send": {"op": str, "in": int, "key": int, "island": int,
+             "routes": ("list", {"host": int, "to": int, "shards": ("list", ("list", ("list", int)))}),
+             "frees": ("opt", ("list", int))},
+    "recv": {"op": str, "out": int, "slice": str, "spec": wire.SPEC, "aval": wire.AVAL, "src": int,
+             "expect": ("list", {"host": int, "count": int, "from": ("list", int)}), "frees": ("opt", ("list", int))},
+    "reshard": {"op": str, "in": int, "out": int, "slice": str, "spec": wire.SPEC, "frees": ("opt", ("list", int))},
+}
+
+
+def op_from_wire(d: Mapping) -> Op:
+    """A typed op from its (schema-checked) msgpack map."""
+    kind = d["op"]
+    frees = tuple(d.get("frees") or ())
+    if kind == "exec":
+        return Exec(d["exe"], d["slice"], tuple(d["in"]), tuple(d["out"]), tuple(spec_of(s) for s in d["in_specs"]),
+                    tuple(spec_of(s) for s in d["out_specs"]), d["name"], frees, tuple(d.get("donate") or ()))
+    if kind == "send":
+        return Send(d["in"], d["key"], d["island"], tuple(Route.from_wire(r) for r in d["routes"]), frees)
+    if kind == "recv":
+        return Recv(d["out"], d["slice"], spec_of(d["spec"]), Aval.from_wire(d["aval"]), d["src"],
+                    tuple(Expect.from_wire(e) for e in d["expect"]), frees)
+    return Reshard(d["in"], d["out"], d["slice"], spec_of(d["spec"]), frees)
+
+
+def op_to_wire(op: Op) -> dict:
+    out: dict[str, Any]
+    if isinstance(op, Exec):
+        out = {"op": "exec", "exe": op.exe, "slice": op.slice, "in": list(op.inputs), "out": list(op.outputs),
+               "in_specs": [spec_to_list(s) for s in op.in_specs], "out_specs": [spec_to_list(s) for s in op.out_specs],
+               "name": op.name}
+        if op.donate:
+            out["donate"] = list(op.donate)
+    elif isinstance(op, Send):
+        out = {"op": "send", "in": op.source, "key": op.key, "island": op.island,
+               "routes": [r.to_wire() for r in op.routes]}
+    elif isinstance(op, Recv):
+        out = {"op": "recv", "out": op.out, "slice": op.slice, "spec": spec_to_list(op.spec), "aval": op.aval.to_wire(),
+               "src": op.src, "expect": [e.to_wire() for e in op.expect]}
+    elif isinstance(op, Reshard):
+        out = {"op": "reshard", "in": op.source, "out": op.out, "slice": op.slice, "spec": spec_to_list(op.spec)}
+    else:
+        raise TypeError(f"not a fragment op: {op!r}")
+    if op.frees:
+        out["frees"] = list(op.frees)
+    return out
+
+
+@dataclass(frozen=True, eq=False)
+class Template:
+    """One island's share of a program, the same on every call: ops by slot, and the slices they run on.
+
+    Compared and hashed by identity: an island keeps one per distinct encoding (``TemplateCache``), and
+    host-local state about its ops is keyed by it.
+    """
+
+    program: str
+    n_inputs: int
+    n_values: int
+    slices: Mapping[str, SliceDesc]
+    ops: tuple[Op, ...]
+
+    def slice(self, key: str, what: str) -> SliceDesc:
+        desc = self.slices.get(key)
+        if desc is None:
+            raise ProgramError(f"{what}: slice {key!r} is not one of this fragment's slices")
+        return desc
+
+    def encode(self) -> bytes:
+        return wire.encode("template", {"program": self.program, "n_inputs": self.n_inputs, "n_values": self.n_values,
+                                        "slices": {k: s.to_wire() for k, s in self.slices.items()},
+                                        "ops": [op_to_wire(op) for op in self.ops]})
+
+    @classmethod
+    def decode(cls, blob: bytes) -> Template:
+        """Decode and check the template's structure: slots in range, reads after writes, frees of its own."""
+        msg = wire.decode(blob, "template")
+        ops = []
+        for i, d in enumerate(msg["ops"]):
+            schema = _OP_SCHEMAS.get(d.get("op"))
+            if schema is None:
+                raise WireFormatError(f"template.ops[{i}]: unknown op {d.get('op')!r}; known: {', '.join(_OP_SCHEMAS)}")
+            wire.check(d, schema, f"template.ops[{i}]({d['op']})")
+            ops.append(op_from_wire(d))
+        slices = {k: SliceDesc.from_wire(v) for k, v in msg["slices"].items()}
+        template = cls(msg["program"][:200], msg["n_inputs"], msg["n_values"], slices, tuple(ops))
+        template._check_slots()
+        return template
+
+    def _check_slots(self) -> None:
+        if not 0 <= self.n_inputs <= self.n_values <= MAX_VALUES:
+            raise ProgramError(f"fragment of {self.program!r}: {self.n_inputs} inputs of {self.n_values} values is "
+                               f"not a valid program (at most {MAX_VALUES} values)")
+        if len(self.ops) > MAX_OPS:
+            raise ProgramError(f"fragment of {self.program!r}: {len(self.ops)} ops, over the limit of {MAX_OPS}")
+        written: set[int] = set()
+        freed: set[int] = set()
+        for i, op in enumerate(self.ops):
+            where = f"fragment of {self.program!r}, op {i} ({op.KIND})"
+            slots = op.reads() + op.writes() + op.frees + ((op.key,) if isinstance(op, Send) else ())
+            bad = [s for s in slots if not 0 <= s < self.n_values]
+            if bad:
+                raise ProgramError(f"{where}: slot(s) {bad} out of range for {self.n_values} values")
+            for s in op.reads():
+                if s in freed:
+                    raise ProgramError(f"{where}: reads slot {s} after an earlier op freed it")
+                if s >= self.n_inputs and s not in written:
+                    raise ProgramError(f"{where}: reads slot {s}, which no earlier op wrote and is not an input")
+            for s in op.writes():
+                if s < self.n_inputs or s in written:
+                    raise ProgramError(f"{where}: writes slot {s}, which is an input or was already written")
+                written.add(s)
+            if len(set(op.writes())) != len(op.writes()):
+                raise ProgramError(f"{where}: writes a slot twice")
+            for s in op.frees:
+                if s not in written or s in freed:
+                    raise ProgramError(f"{where}: frees slot {s}, which is not a value this fragment produced")
+                freed.add(s)
+
+    def check(self, limits: Limits) -> None:
+        """Meaning against an island: slices, hosts, islands and sizes exist and fit (ProgramError/ResourceError)."""
+        for desc in self.slices.values():
+            desc.check(limits)
+        for i, op in enumerate(self.ops):
+            try:
+                op.check(self, limits)
+            except (ProgramError, ResourceError, WireFormatError) as exc:
+                raise type(exc)(f"fragment of {self.program!r}, op {i}: {exc}") from None
+
+
+wire.register("template", {"program": str, "n_inputs": int, "n_values": int, "slices": ("map", wire.SLICE),
+                           "ops": ("list", dict)})
+
+
+class TemplateCache:
+    """Decoded and checked templates by their bytes: a program's template arrives with every call, so each
+    process decodes and checks it once (``check`` is the island's meaning check, e.g. ``Template.check``).
+    Oldest first out beyond ``size``; a template that failed is remembered as the error it raised."""
+
+    def __init__(self, check: Callable[[Template], None] | None = None, size: int = 256) -> None:
+        self._check = check
+        self._size = size
+        self._decoded: dict[bytes, Template | Exception] = {}
+
+    def get(self, blob: bytes) -> Template:
+        template = self._decoded.get(blob)
+        if template is None:
+            try:
+                template = Template.decode(blob)
+                if self._check is not None:
+                    self._check(template)
+            except (ProgramError, ResourceError, WireFormatError) as exc:
+                template = exc
+            if len(self._decoded) >= self._size:
+                self._decoded.pop(next(iter(self._decoded)))
+            self._decoded[blob] = template
+        if isinstance(template, Exception):
+            raise type(template)(str(template))
+        return template
+
+
+def declared_values(blob: bytes) -> int:
+    """How many values a template says it has, even when it is otherwise malformed (1 when unreadable): the
+    id range a refused call's outputs occupy."""
+    try:
+        n = wire.msgpack.unpackb(blob, raw=False, strict_map_key=False).get("n_values")
+    except Exception:  # a template that is not even a map
+        return 1
+    return n if isinstance(n, int) and 0 < n <= MAX_VALUES else 1

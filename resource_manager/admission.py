@@ -1,0 +1,195 @@
+"""Admission on an island's host 0: each client's numbered stream put back in order, and every message
+decoded once and checked in meaning before it may take a place in the island's order.
+
+Ray runs a threaded actor's calls in no guaranteed order, even those of one
+caller, so each client numbers its messages and a batch that overtook an
+earlier one waits here until the gap is filled. A gap that is never filled
+(its sender died mid-send) is skipped once the resource manager revokes that
+client, or after ``gap_timeout`` seconds; it only ever holds back that
+client's own later messages.
+
+Anything wrong with one message (it does not decode, names a slice its tenant
+does not hold, ids outside its client's space, an executable it never sent, a
+shape no host can hold) refuses that message alone: it still takes its place
+in the order, and its outputs' ids are failed with the reason on every host,
+so the client's fetch says what was wrong while everyone else's work runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from pathways.errors import PathwaysError, ProgramError, TenantAccessError, WireFormatError, to_wire
+from pathways.messages import Call, Free, Put, Request, client_of, decode_request
+from pathways.ops import Exec, Limits, Template, TemplateCache, check_fits, declared_values
+from resource_manager.buffers import Failure
+from resource_manager.executables import ExecutableCache
+from resource_manager.grants import Grants
+
+MAX_BATCH = 1 << 16
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A client's message after admission: typed and checked, or the failure that replaces it (then the ids
+    ``fail_lo`` to ``fail_hi - 1`` fail with it)."""
+
+    client: int
+    tenant: str
+    payload: bytes
+    refs: tuple
+    request: Request | None
+    template: Template | None = None
+    refusal: Failure | None = None
+    fail_lo: int = 0
+    fail_hi: int = 0
+
+    @property
+    def counts(self) -> bool:
+        """Whether it runs computations (charged to its tenant's share of island time)."""
+        return self.refusal is None and isinstance(self.request, Call)
+
+    def row(self) -> tuple:
+        """The form other hosts of the island receive (they decode the payload once themselves)."""
+        refusal = None if self.refusal is None else (self.refusal.kind, self.refusal.message)
+        return (self.client, self.tenant, self.payload, self.refs, refusal, self.fail_lo, self.fail_hi)
+
+
+class Admission:
+    """Host 0's per-client streams and message checks. Thread-safe."""
+
+    def __init__(self, limits: Limits, grants: Grants, exes: ExecutableCache, gap_timeout: float) -> None:
+        self.limits, self.grants, self.exes = limits, grants, exes
+        self.gap_timeout = gap_timeout
+        self.templates = TemplateCache(check=lambda t: t.check(limits))
+        self._lock = threading.Lock()
+        self._next: dict[int, int] = {}  # client -> number of its next message
+        self._early: dict[int, dict[int, tuple[float, str, list]]] = {}  # client -> first -> (arrived, tenant, items)
+        self.skipped = 0
+
+    def accept(self, client: int, tenant: str, first: int, items: Any) -> list[Admitted]:
+        """Messages ``first``, ``first + 1``, ... of ``client``'s stream, each ``(payload, refs)``; returns what
+        is now in order (this batch and any that waited for it), admitted or refused one by one."""
+        if not isinstance(items, list) or not 0 < len(items) <= MAX_BATCH or not isinstance(first, int):
+            raise WireFormatError(f"a batch is a list of 1 to {MAX_BATCH} (payload, refs) pairs with a message "
+                                  "number")
+        with self._lock:
+            expected = self._next.get(client, 0)
+            early = self._early.setdefault(client, {})
+            if first < expected or first in early:
+                raise WireFormatError(f"island {self.limits.island} already has message {first} of your stream; a "
+                                      "message is sent once")
+            early[first] = (time.monotonic(), tenant, items)
+            return self._drain(client)
+
+    def _drain(self, client: int) -> list[Admitted]:
+        expected = self._next.get(client, 0)
+        early = self._early.get(client, {})
+        out: list[Admitted] = []
+        while expected in early:
+            _, tenant, items = early.pop(expected)
+            out += [self.check(client, tenant, item) for item in items]
+            expected += len(items)
+        self._next[client] = expected
+        if not early:
+            self._early.pop(client, None)
+        return out
+
+    def expire(self) -> list[Admitted]:
+        """Skip gaps older than ``gap_timeout``: the messages that never came are given up on."""
+        horizon = time.monotonic() - self.gap_timeout
+        out: list[Admitted] = []
+        with self._lock:
+            for client in list(self._early):
+                early = self._early[client]
+                if min(arrived for arrived, _, _ in early.values()) < horizon:
+                    resume_at = min(early)
+                    missing = resume_at - self._next.get(client, 0)
+                    self.skipped += missing
+                    log.warning("island %d: messages %d to %d of client %d never arrived within %.0fs; skipped",
+                                self.limits.island, self._next.get(client, 0), resume_at - 1, client,
+                                self.gap_timeout)
+                    self._next[client] = resume_at
+                    out += self._drain(client)
+        return out
+
+    def revoke(self, client: int) -> None:
+        """The client's session ended: forget its stream, gaps included."""
+        with self._lock:
+            self._next.pop(client, None)
+            self._early.pop(client, None)
+
+    def waiting(self) -> int:
+        with self._lock:
+            return sum(len(e) for e in self._early.values())
+
+    # -- one message ----------------------------------------------------------------------------------------
+    def check(self, client: int, tenant: str, item: Any) -> Admitted:
+        """Decode and check one ``(payload, refs)`` of ``client``; a problem refuses this message alone."""
+        payload, refs = item if isinstance(item, (tuple, list)) and len(item) == 2 else (item, None)
+        refs = tuple(refs or ())
+        request: Request | None = None
+        lo = hi = 0
+        try:
+            request = decode_request(payload)
+            if isinstance(request, Call):
+                lo, hi = request.base, request.base + declared_values(request.template)
+                template = self._check_call(client, tenant, request)
+                return Admitted(client, tenant, payload, refs, request, template)
+            if isinstance(request, Put):
+                lo, hi = request.id, request.id + 1
+                self._check_put(client, tenant, request, refs)
+                return Admitted(client, tenant, payload, refs, request)
+            own = tuple(i for i in request.ids if client_of(i) == client)
+            return Admitted(client, tenant, payload, refs, Free(own, request.everything))
+        except PathwaysError as exc:
+            if client_of(lo) != client or client_of(max(hi - 1, lo)) != client:
+                lo = hi = 0  # never fail ids outside the sender's own space
+            return Admitted(client, tenant, payload, refs, request, None, Failure(*to_wire(exc)), lo, hi)
+
+    def _own(self, client: int, ids: Any, what: str) -> None:
+        bad = [i for i in ids if client_of(i) != client or i <= 0]
+        if bad:
+            raise TenantAccessError(f"{what} names buffer id {bad[0]}, which is not one of your client's ids")
+
+    def _check_call(self, client: int, tenant: str, call: Call) -> Template:
+        template = self.templates.get(call.template)
+        self._own(client, [call.base, call.base + max(template.n_values - 1, 0)], "a call's output block")
+        if len(call.inputs) != template.n_inputs:
+            raise ProgramError(f"program {template.program!r} takes {template.n_inputs} inputs; the call names "
+                               f"{len(call.inputs)}")
+        self._own(client, call.inputs, f"program {template.program!r}")
+        self._own(client, call.frees, "a free")
+        for desc in template.slices.values():
+            if not self.grants.owns(tenant, desc):
+                raise TenantAccessError(f"slice {desc.key} on island {self.limits.island} is not yours; a program "
+                                        "may only run on its own slices")
+        for exe_hash, blob in call.exes.items():
+            if not isinstance(blob, bytes):
+                raise WireFormatError(f"executable {exe_hash[:12]}… is not bytes")
+            self.exes.add(tenant, exe_hash, blob)
+        for op in template.ops:
+            if isinstance(op, Exec) and op.exe not in call.exes and not self.exes.has(tenant, op.exe):
+                raise ProgramError(f"{op.name}: executable {op.exe[:12]}… was never sent to island "
+                                   f"{self.limits.island} by your clients")
+        return template
+
+    def _check_put(self, client: int, tenant: str, put: Put, refs: tuple) -> None:
+        self._own(client, [put.id], "pw.put")
+        if not self.grants.owns(tenant, put.slice):
+            raise TenantAccessError(f"slice {put.slice.key} on island {self.limits.island} is not yours; a put "
+                                    "may only place values on its own slices")
+        put.slice.check(self.limits)
+        put.aval.check("pw.put")
+        put.slice.check_spec(put.spec, put.aval.shape, "pw.put")
+        check_fits(put.aval, put.spec, put.slice, self.limits, "pw.put")
+        want = len(put.slice.hosts) if put.per_host else 1
+        if len(refs) != want or not all(isinstance(r, ray.ObjectRef) for r in refs):
+            raise WireFormatError(f"pw.put: expected {want} object reference(s) with the message, got {len(refs)}")

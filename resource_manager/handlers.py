@@ -1,0 +1,249 @@
+"""What each op does on a host: exec, put, send, reshard (and recv, through the receive side).
+
+A handler returns False while its inputs are not there yet; an input that
+holds a failure makes it raise ``Failed`` with that failure, which the
+executor writes to the op's outputs. Host-local facts about a template's ops
+(this host's routes, where a receive lands, whether it takes part at all) are
+worked out on the op's first run and kept here, keyed by the template, never
+written into the shared op objects.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import jax
+import numpy as np
+
+from pathways.errors import ProgramError, to_wire
+from pathways.events import EventLog
+from pathways.messages import Deliver
+from pathways.ops import Exec, Op, Recv, Reshard, Route, Send, SliceDesc, Template
+from pathways.sharding import dtype_from_wire
+from resource_manager.buffer_pool import BufferPool
+from resource_manager.buffers import BufferTable, Entry, Failure
+from resource_manager.devices import LocalDevices
+from resource_manager.executables import ExecutableCache
+from resource_manager.peers import Peers
+from resource_manager.receive import Receiver
+from resource_manager.run import Place, Run
+from resource_manager.transfer import Landing, assemble, local_pieces
+
+PREPARED = 1024  # templates whose host-local op facts are kept
+log = logging.getLogger(__name__)
+
+
+class Failed(Exception):
+    """An op's input holds a failure (or the op cannot run): its outputs get ``failure``."""
+
+    def __init__(self, failure: Failure) -> None:
+        super().__init__(failure.message)
+        self.failure = failure
+
+
+class Handlers:
+    """The op handlers of one host, given the parts they use."""
+
+    def __init__(self, island: int, host: int, devices: LocalDevices, table: BufferTable, exes: ExecutableCache,
+                 peers: Peers, pool: BufferPool, receiver: Receiver, events: EventLog, op_timeout: float) -> None:
+        self.island, self.host = island, host
+        self.devices, self.table, self.exes = devices, table, exes
+        self.peers, self.pool, self.receiver, self.events = peers, pool, receiver, events
+        self.op_timeout = op_timeout
+        self._prepared: OrderedDict[Template, list[Any]] = OrderedDict()
+        self._sender = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"send-{island}.{host}")
+        self.bytes_out = 0
+
+    def run(self, run: Run, op: Op, final: bool) -> bool:
+        """Run ``op`` of ``run``; False while its inputs are missing (``final``: a resumed receive)."""
+        if isinstance(op, Exec):
+            return self._exec(run, op)
+        if isinstance(op, Send):
+            return self._send(run, op)
+        if isinstance(op, Recv):
+            return self._recv(run, op, final)
+        if isinstance(op, Reshard):
+            return self._reshard(run, op)
+        if isinstance(op, Place):
+            return self._place(run, op)
+        raise ProgramError(f"unknown op {op!r}")
+
+    def stop(self) -> None:
+        self._sender.shutdown(wait=False, cancel_futures=True)
+
+    # -- host-local facts about a template's ops -----------------------------------------------------------
+    def _local(self, run: Run, op: Op) -> Any:
+        template = run.template
+        facts = self._prepared.get(template)
+        if facts is None:
+            facts = self._prepared[template] = [None] * len(template.ops)
+            while len(self._prepared) > PREPARED:
+                self._prepared.popitem(last=False)
+        k = run.pc
+        fact = facts[k]
+        if fact is None:
+            fact = facts[k] = self._work_out(template, op)
+        return fact
+
+    def _work_out(self, template: Template, op: Op) -> Any:
+        if isinstance(op, Exec):
+            desc = template.slices[op.slice]
+            return (desc, self.devices.mesh(desc)) if self.devices.participates(desc) else False
+        if isinstance(op, Send):
+            return [r for r in op.routes if r.host == self.host]
+        if isinstance(op, Recv):
+            expect = op.expected(self.host)
+            if expect is None:
+                return (None, None)
+            return (expect, self.landing(template.slices[op.slice], op.spec, op.aval.shape,
+                                         dtype_from_wire(op.aval.dtype)))
+        desc = template.slices[op.slice]
+        return self.devices.sharding(desc, op.spec) if self.devices.participates(desc) else False
+
+    def landing(self, desc: SliceDesc, spec: tuple, shape: Any, dtype: np.dtype) -> Landing:
+        """Where an array of ``shape`` and ``dtype``, sharded by ``spec`` over ``desc``, lands on this host."""
+        shape = tuple(shape)
+        return Landing(shape, np.dtype(dtype), self.devices.sharding(desc, spec),
+                       self.devices.wanted(desc, shape, spec))
+
+    # -- inputs -------------------------------------------------------------------------------------------
+    def _entries(self, run: Run, slots: tuple[int, ...]) -> list[Entry] | None:
+        entries = []
+        for buffer_id in run.ids(slots):
+            entry = self.table.lookup(buffer_id, run.tenant)
+            if entry is None:
+                return None
+            if isinstance(entry.value, Failure):
+                raise Failed(entry.value)
+            entries.append(entry)
+        return entries
+
+    # -- ops ----------------------------------------------------------------------------------------------
+    def _exec(self, run: Run, op: Exec) -> bool:
+        local = self._local(run, op)
+        if local is False:
+            return True  # a slice on other hosts of this island: nothing of it lives here
+        desc, mesh = local
+        entries = self._entries(run, op.inputs)
+        if entries is None:
+            return False
+        donate = self._donatable(run, op)
+        compiled = self.exes.get(run.tenant, op.exe, mesh, desc, op.in_specs, op.out_specs, donate)
+        results = compiled(*[e.value for e in entries])
+        # One launch at a time: XLA's CPU collectives deadlock when many multi-device launches are in
+        # flight, and blocking makes the island time charged to each tenant (and traced) real.
+        jax.block_until_ready(results)
+        for position in donate:
+            self.table.take(run.rid(op.inputs[position]), run.tenant)
+        for slot, value in zip(op.outputs, results):
+            self.table.put(run.rid(slot), run.tenant, value)
+        return True
+
+    def _donatable(self, run: Run, op: Exec) -> tuple[int, ...]:
+        """The donated inputs XLA may really take: read by no other pending op, and passed only once here."""
+        if not op.donate:
+            return ()
+        ids = run.ids(op.inputs)
+        return tuple(p for p in op.donate if ids.count(ids[p]) == 1 and not self.table.used_elsewhere(ids[p]))
+
+    def _reshard(self, run: Run, op: Reshard) -> bool:
+        sharding = self._local(run, op)
+        if sharding is False:
+            return True
+        entries = self._entries(run, (op.source,))
+        if entries is None:
+            return False
+        self.table.put(run.rid(op.out), run.tenant, jax.device_put(entries[0].value, sharding))
+        return True
+
+    def _place(self, run: Run, op: Place) -> bool:
+        if not self.devices.participates(op.slice):
+            return True
+        if not op.value.ready():
+            return False
+        try:
+            value = op.value.result()
+        except Exception as exc:  # the object store lost it: its client exited before it was fetched
+            raise ProgramError(f"the value of pw.put (buffer {run.base}) could not be fetched from Ray's object "
+                               f"store ({type(exc).__name__}); the client that sent it has probably exited") from None
+        dtype = dtype_from_wire(op.aval.dtype)
+        shape = op.aval.shape
+        if isinstance(value, dict):  # this host's shards of a scattered put
+            pieces = {tuple(map(tuple, k)): np.asarray(v) for k, v in value.items()}
+        else:
+            value = np.asarray(value)
+            if value.size != int(np.prod(shape, dtype=np.int64)):
+                raise ProgramError(f"pw.put: the value has {value.size} elements, the message announced {shape}")
+            pieces = {tuple((0, n) for n in shape): value.reshape(shape)}
+        for index, piece in pieces.items():
+            if piece.dtype != dtype or piece.shape != tuple(b - a for a, b in index):
+                raise ProgramError(f"pw.put: a piece of {piece.dtype}{list(piece.shape)} does not match region "
+                                   f"{index} of {op.aval.describe()}")
+        try:
+            array = assemble(self.landing(op.slice, op.spec, shape, dtype), pieces, self.pool.take)
+        except ValueError as exc:
+            raise ProgramError(f"pw.put: {exc}") from None
+        self.table.put(run.base, run.tenant, array)
+        return True
+
+    def _recv(self, run: Run, op: Recv, final: bool) -> bool:
+        expect, landing = self._local(run, op)
+        if expect is None:
+            return True
+        return self.receiver.recv(run.rid(op.out), op, expect, landing, run.tenant, run.label, final)
+
+    def _send(self, run: Run, op: Send) -> bool:
+        routes = self._local(run, op)
+        if not routes:
+            return True
+        entry = self.table.lookup(run.rid(op.source), run.tenant)
+        if entry is None:
+            return False
+        args = (entry.value, run.rid(op.key), op.island, routes, run.tenant)
+        if self.peers.linked(op.island, [r.to for r in routes]):
+            self._deliver_all(*args)  # a frame on a socket: cheaper than a hand-off to the sender threads
+        else:
+            self._sender.submit(self._deliver_all, *args)
+        return True
+
+    def send_failure(self, run: Run, op: Send, failure: Failure) -> None:
+        """The value a send would carry failed: its receivers get the failure instead of waiting."""
+        routes = [r for r in op.routes if r.host == self.host]
+        if routes:
+            self._sender.submit(self._deliver_all, failure, run.rid(op.key), op.island, routes, run.tenant)
+
+    def _deliver_all(self, value: Any, key: int, island: int, routes: list[Route], tenant: str) -> None:
+        try:
+            pieces = None if isinstance(value, Failure) else local_pieces(value)
+        except Exception as exc:  # never lose a send silently: its receivers hear why
+            value, pieces = Failure(*to_wire(exc)), None
+        for route in routes:
+            msg = Deliver(key, self.island, self.host, route.shards if pieces is not None else ())
+            try:
+                if pieces is None:
+                    failed = Deliver(key, self.island, self.host, (), (value.kind, value.message))
+                    self.peers.send(island, route.to, failed, [], self.op_timeout)
+                    continue
+                missing = [s for s in route.shards if s not in pieces]
+                if missing:
+                    raise ProgramError(f"a send names shard {missing[0]}, which this host does not hold")
+                start = time.time()
+                datas = [np.asarray(pieces[s]) for s in route.shards]
+                direct = self.peers.send(island, route.to, msg, datas, self.op_timeout)
+                nbytes = sum(d.nbytes for d in datas)
+                self.bytes_out += nbytes
+                if self.events.enabled:
+                    self.events.span("send shards", "send", start, time.time(), bytes=nbytes, dst_island=island,
+                                     dst_host=route.to, key=key, direct=direct, tenant=tenant)
+            except Exception as exc:
+                log.warning("island %d host %d: a send to island %d host %d failed: %s", self.island, self.host,
+                            island, route.to, exc)
+                try:
+                    self.peers.send(island, route.to, Deliver(key, self.island, self.host, (), to_wire(exc)), [],
+                                    self.op_timeout)
+                except Exception:  # the peer is gone: its island's failure is reported by the health checks
+                    pass

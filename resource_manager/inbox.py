@@ -1,0 +1,135 @@
+"""A host's inbox: the island's ordered stream, admitted into the executor strictly by sequence number.
+
+Host 0 hands its own share over typed (it decoded and checked each message
+once, at admission); other hosts receive rows from host 0 (signed with the
+runtime key) and decode each payload once. Whatever arrives, the stream moves
+on: a message that fails here fails its own outputs, a put whose value cannot
+be fetched fails that put when it runs, and nothing raises out of admission
+with the sequence counter stuck. Only a sequence number that never arrives
+(host 0 is gone) stops the stream, and that fails the island.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from pathways.errors import PathwaysError, to_wire
+from pathways.messages import CLIENT_ID_BITS, Call, Free, Put, decode_request
+from pathways.ops import TemplateCache
+from resource_manager.admission import Admitted
+from resource_manager.buffers import BufferTable, Failure
+from resource_manager.executables import ExecutableCache
+from resource_manager.executor import Executor
+from resource_manager.run import Place, PutValue, Run
+from resource_manager.scheduler import Item, Resume
+
+log = logging.getLogger(__name__)
+
+
+class Inbox:
+    """Admits sequenced items in order. ``accept`` may be called from several threads."""
+
+    def __init__(self, island: int, host: int, executor: Executor, table: BufferTable, exes: ExecutableCache,
+                 templates: TemplateCache, cond: threading.Condition) -> None:
+        self.island, self.host = island, host
+        self.executor, self.table, self.exes, self.templates, self.cond = executor, table, exes, templates, cond
+        self._pending: dict[int, Item] = {}
+        self._next_seq = 0
+        self._gap_since: float | None = None
+
+    def accept(self, items: list[tuple[int, Item]]) -> None:
+        """Sequenced items from this island's scheduler (host 0's own share, already checked)."""
+        with self.cond:
+            for seq, item in items:
+                if seq >= self._next_seq and seq not in self._pending:
+                    self._pending[seq] = item
+            self._admit_ready()
+
+    def accept_rows(self, rows: list) -> None:
+        """Sequenced rows from host 0: ``(seq, "resume", run seq, pc)`` or ``(seq, "msg", row)``."""
+        items = []
+        for row in rows:
+            try:
+                seq, kind, *rest = row
+                items.append((seq, Resume(*rest) if kind == "resume" else self._from_row(*rest)))
+            except Exception as exc:  # host 0 is trusted, so this is a bug: say it, keep the order moving
+                log.exception("island %d host %d: an unreadable row from host 0", self.island, self.host)
+                if isinstance(row, (list, tuple)) and row and isinstance(row[0], int):
+                    items.append((row[0], Admitted(0, "", b"", (), None, refusal=Failure(*to_wire(exc)))))
+        self.accept(items)
+
+    def _from_row(self, row: tuple) -> Admitted:
+        client, tenant, payload, refs, refusal, lo, hi = row
+        if refusal is not None:
+            return Admitted(client, tenant, payload, refs, None, None, Failure(*refusal), lo, hi)
+        request = decode_request(payload)
+        template = self.templates.get(request.template) if isinstance(request, Call) else None
+        return Admitted(client, tenant, payload, refs, request, template)
+
+    def _admit_ready(self) -> None:
+        while self._next_seq in self._pending:
+            item = self._pending.pop(self._next_seq)
+            try:
+                self._admit(self._next_seq, item)
+            except Exception:  # never leave the order stuck behind one item
+                log.exception("island %d host %d: admitting sequence %d failed", self.island, self.host,
+                              self._next_seq)
+            self._next_seq += 1
+        self._gap_since = (self._gap_since or time.monotonic()) if self._pending else None
+
+    def _admit(self, seq: int, item: Item) -> None:
+        if isinstance(item, Resume):
+            self.executor.resume(item.seq, item.pc)
+            return
+        if item.refusal is not None:
+            if item.fail_hi > item.fail_lo:
+                self.table.fail_range(item.fail_lo, item.fail_hi, item.tenant, item.refusal)
+            return
+        request = item.request
+        if isinstance(request, Free):
+            self.table.free(list(request.ids), item.tenant)
+            if request.everything:
+                self.table.free_client(item.client, item.tenant, CLIENT_ID_BITS)
+            return
+        if isinstance(request, Put):
+            self.executor.admit(self._put_run(seq, item, request))
+            return
+        try:
+            for exe_hash, blob in request.exes.items():
+                self.exes.add(item.tenant, exe_hash, blob)
+        except PathwaysError as exc:
+            template = item.template
+            self.table.fail_range(request.base, request.base + template.n_values, item.tenant, Failure(*to_wire(exc)))
+            return
+        self.table.free(list(request.frees), item.tenant)
+        template = item.template
+        self.executor.admit(Run(seq, item.tenant, item.client, template.program, template.ops, template,
+                                template.n_inputs, request.base, request.inputs))
+
+    def _put_run(self, seq: int, item: Admitted, put: Put) -> Run:
+        hosts = put.slice.hosts
+        if self.host in hosts:
+            ref = item.refs[hosts.index(self.host)] if put.per_host else item.refs[0]
+            value = PutValue(ref, self._wake)
+        else:
+            value = None
+        op = Place(put.slice, put.spec, put.aval, value)
+        return Run(seq, item.tenant, item.client, "put", (op,), base=put.id)
+
+    def _wake(self) -> None:
+        with self.cond:
+            self.executor.touch()
+
+    def stuck_for(self) -> float:
+        """Seconds a sequence number has been missing while later ones wait (0 when the stream flows)."""
+        since = self._gap_since
+        return 0.0 if since is None else time.monotonic() - since
+
+    @property
+    def next_seq(self) -> int:
+        return self._next_seq
+
+    def held(self) -> int:
+        return len(self._pending)

@@ -1,0 +1,233 @@
+"""The receive side of a host: what peers deliver is filed by receive id until a recv op lands it.
+
+Pieces often arrive before the recv op that takes them is admitted (sends
+never wait), so they wait in a mailbox keyed by the receive id, tagged with
+the host that sent them. A recv op accepts only pieces from the source island
+and hosts its plan names; anything else is refused and its lease returned.
+Every mailbox is bounded: pieces for a receive that already finished (or
+failed) go straight back to their sender, and a mailbox no recv op claims
+within the op timeout is dropped, so a sender never keeps lent memory for a
+receive that will not come.
+
+On a multi-host island a recv op must not hold the island's order while its
+data is on the way (two islands exchanging data could each wait on the
+other): the executor parks the run, and this side reports when the data has
+landed here (``watch`` / ``take_landed``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from pathways.errors import IslandFailedError
+from pathways.messages import Deliver
+from pathways.ops import MAX_SHARDS, Expect, Recv, Region
+from resource_manager.buffer_pool import BufferPool
+from resource_manager.buffers import BufferTable, Failure
+from resource_manager.direct import Lent
+from resource_manager.peers import Peers
+from resource_manager.transfer import Landing, assemble
+
+Sender = tuple[int, int]  # (island, host)
+MAX_MAILBOXES = 1 << 16
+FINISHED = 1 << 16  # receive ids remembered as done, so late pieces go straight back
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Mailbox:
+    pieces: dict[Region, Any] = field(default_factory=dict)  # np.ndarray | Lent
+    senders: dict[Region, Sender] = field(default_factory=dict)
+    failure: Failure | None = None
+    since: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Watch:
+    """A parked recv op waiting for its pieces on this host (multi-host islands)."""
+
+    seq: int
+    pc: int
+    count: int
+    allowed: frozenset[Sender]
+    src: int
+    since: float = field(default_factory=time.monotonic)
+
+
+class Receiver:
+    """Files delivered pieces and runs recv ops. Called with the host's condition held, except ``recv``."""
+
+    def __init__(self, island: int, host: int, table: BufferTable, pool: BufferPool, peers: Peers,
+                 cond: threading.Condition, op_timeout: float, touch: Callable[[], None]) -> None:
+        self.island, self.host = island, host
+        self.table, self.pool, self.peers, self.cond = table, pool, peers, cond
+        self.op_timeout = op_timeout
+        self._touch = touch
+        self.mailbox: dict[int, Mailbox] = {}
+        self._finished: OrderedDict[int, None] = OrderedDict()
+        self._watches: dict[int, _Watch] = {}
+        self._landed: list[tuple[int, int]] = []
+        self.failed_islands: set[int] = set()
+        self.bytes_in = 0
+        self.bytes_in_direct = 0
+        self.refused = 0
+
+    # -- filing -------------------------------------------------------------------------------------------
+    def deliver(self, msg: Deliver, pieces: Sequence[Any], sender: Sender) -> None:
+        """File pieces from ``sender`` for receive ``msg.key`` (the caller holds the condition)."""
+        key = msg.key
+        if key in self._finished or (key not in self.mailbox and len(self.mailbox) >= MAX_MAILBOXES):
+            self._give_back(pieces)
+            return
+        box = self.mailbox.setdefault(key, Mailbox())
+        if msg.failure is not None:
+            box.failure = Failure(*msg.failure)
+        for shard, data in zip(msg.shards, pieces):
+            if len(box.pieces) >= MAX_SHARDS:
+                self._give_back([data])
+                continue
+            old = box.pieces.get(shard)
+            if old is not None:
+                self._give_back([old])
+            box.pieces[shard] = data
+            box.senders[shard] = sender
+            if isinstance(data, np.ndarray):
+                self.bytes_in += data.nbytes
+        watch = self._watches.get(key)
+        if watch is not None and self._complete(box, watch.count, watch.allowed):
+            self._land_watch(key)
+        self._touch()
+
+    def _give_back(self, pieces: Sequence[Any]) -> None:
+        lent = [p for p in pieces if isinstance(p, Lent)]
+        if lent:
+            self.peers.give_back(lent)
+
+    def _finish(self, key: int) -> None:
+        self._finished[key] = None
+        while len(self._finished) > FINISHED:
+            self._finished.popitem(last=False)
+
+    def drop(self, key: int) -> None:
+        """The receive failed or will never run: return what was lent for it, refuse what comes later."""
+        with self.cond:
+            box = self.mailbox.pop(key, None)
+            self._finish(key)
+            self._watches.pop(key, None)
+        if box is not None:
+            self._give_back(list(box.pieces.values()))
+
+    @staticmethod
+    def _complete(box: Mailbox, count: int, allowed: frozenset[Sender]) -> bool:
+        return box.failure is not None or sum(1 for s in box.senders.values() if s in allowed) >= count
+
+    # -- recv ops -----------------------------------------------------------------------------------------
+    def recv(self, key: int, op: Recv, expect: Expect, landing: Landing, tenant: str, label: str,
+             final: bool) -> bool:
+        """Land receive ``key`` as a buffer of ``tenant``; False while its pieces are still on the way
+        (``final``: they will not come any more, so that is a failure)."""
+        allowed = frozenset((op.src, s) for s in expect.senders)
+        with self.cond:
+            box = self.mailbox.get(key)
+            if box is not None:
+                self._refuse_foreign(key, box, allowed)
+            if box is None or not self._complete(box, expect.count, allowed):
+                if op.src in self.failed_islands:
+                    raise IslandFailedError(f"island {op.src} failed before its transfer to island {self.island} "
+                                            f"(program {label!r}) arrived")
+                if final:
+                    raise IslandFailedError(f"island {self.island} waited {self.op_timeout:.0f}s for a transfer from "
+                                            f"island {op.src} (program {label!r}); that island is dead or stuck")
+                return False
+            del self.mailbox[key]
+            self._finish(key)
+        if box.failure is not None:
+            self._give_back(list(box.pieces.values()))
+            self.table.put(key, tenant, box.failure)
+            return True
+        try:
+            array = assemble(landing, box.pieces, self.pool.take)
+        except OSError as exc:
+            raise IslandFailedError(f"copying the shards island {op.src} lent to island {self.island} "
+                                    f"(program {label!r}) failed: {exc}; the sending host died") from exc
+        finally:
+            self._give_back(list(box.pieces.values()))
+        lent = [p for p in box.pieces.values() if isinstance(p, Lent)]
+        if lent:
+            nbytes = sum(math.prod(b - a for a, b in p.index) for p in lent) * landing.dtype.itemsize
+            self.bytes_in += nbytes
+            self.bytes_in_direct += nbytes
+        self.table.put(key, tenant, array)
+        return True
+
+    def _refuse_foreign(self, key: int, box: Mailbox, allowed: frozenset[Sender]) -> None:
+        foreign = [r for r, s in box.senders.items() if s not in allowed]
+        if not foreign:
+            return
+        self.refused += len(foreign)
+        log.warning("island %d host %d refused %d piece(s) for receive %d from hosts %s that its plan does not "
+                    "name", self.island, self.host, len(foreign), key, sorted({box.senders[r] for r in foreign}))
+        self._give_back([box.pieces.pop(r) for r in foreign])
+        for r in foreign:
+            del box.senders[r]
+
+    # -- parked recv ops (multi-host islands) -----------------------------------------------------------
+    def watch(self, seq: int, pc: int, key: int, op: Recv, expect: Expect | None) -> None:
+        """Report (seq, pc) through ``take_landed`` once this host's pieces for ``key`` are here (at once if
+        none come here), or the wait timed out (the caller holds the condition)."""
+        if expect is None:
+            self._landed.append((seq, pc))
+            return
+        allowed = frozenset((op.src, s) for s in expect.senders)
+        self._watches[key] = _Watch(seq, pc, expect.count, allowed, op.src)
+        box = self.mailbox.get(key)
+        if (box is not None and self._complete(box, expect.count, allowed)) or op.src in self.failed_islands:
+            self._land_watch(key)
+
+    def _land_watch(self, key: int) -> None:
+        watch = self._watches.pop(key)
+        self._landed.append((watch.seq, watch.pc))
+
+    def take_landed(self) -> list[tuple[int, int]]:
+        """(seq, pc) of parked recv ops whose data landed or will not come, since the last call."""
+        landed, self._landed = self._landed, []
+        return landed
+
+    def expire(self) -> float:
+        """Time out watches and unclaimed mailboxes; returns seconds until the next one may expire."""
+        now = time.monotonic()
+        horizon = now - self.op_timeout
+        for key, watch in list(self._watches.items()):
+            if watch.since < horizon:
+                self._land_watch(key)
+        stale = [k for k, box in self.mailbox.items() if box.since < horizon - self.op_timeout]
+        for key in stale:
+            box = self.mailbox.pop(key)
+            self._finish(key)
+            self._give_back(list(box.pieces.values()))
+        oldest = min([w.since for w in self._watches.values()], default=now + self.op_timeout)
+        return max(0.001, oldest + self.op_timeout - now)
+
+    def island_failed(self, island: int) -> None:
+        self.failed_islands.add(island)
+        for key, watch in list(self._watches.items()):
+            if watch.src == island:
+                self._land_watch(key)
+        self._touch()
+
+    def island_restored(self, island: int) -> None:
+        """A failed island restarted: receives from its new hosts may wait for them again."""
+        self.failed_islands.discard(island)
+
+    def stats(self) -> dict[str, int]:
+        return {"mailbox": len(self.mailbox), "bytes_in": self.bytes_in, "bytes_in_direct": self.bytes_in_direct,
+                "refused_pieces": self.refused}

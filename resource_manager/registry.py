@@ -1,0 +1,152 @@
+"""The tenant registry: who may use the cluster, with what weight and device quota, proven by what secret.
+
+The cluster's admin manages it (``pathways tenants ...``); the resource manager
+holds it and is the only authority for tenants' weights and quotas: what a
+client claims about them is never read. Only SHA-256 digests of credentials are
+stored. With a path, the registry is a JSON file readable by its owner only,
+rewritten atomically on every change, so it survives a restart of the runtime.
+The embedded local cluster keeps it in memory, with one implicit tenant.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import threading
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from pathways import auth
+from pathways.errors import ResourceError, TenantAccessError
+
+TENANT_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+MAX_WEIGHT = 1e6
+WRONG = "unknown tenant or wrong credential; ask the cluster's admin for a credential (pathways tenants add)"
+
+
+@dataclass
+class TenantRecord:
+    name: str
+    weight: float
+    quota: int | None  # devices the tenant's slices may take at once (None: no limit)
+    credential: str  # SHA-256 digest
+
+    def public(self) -> dict:
+        return {"name": self.name, "weight": self.weight, "quota": self.quota}
+
+
+def check_name(name: object) -> str:
+    if not isinstance(name, str) or not TENANT_PATTERN.match(name):
+        raise ResourceError(f"tenant name {name!r}: use 1-63 letters, digits, '.', '_' or '-', starting with a "
+                            "letter or digit")
+    return name
+
+
+def check_weight(weight: object) -> float:
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) \
+            or not 0 < weight <= MAX_WEIGHT:
+        raise ResourceError(f"a weight must be a finite number in (0, {MAX_WEIGHT:g}], got {weight!r}")
+    return float(weight)
+
+
+def check_quota(quota: object) -> int | None:
+    if quota is None:
+        return None
+    if isinstance(quota, bool) or not isinstance(quota, int) or quota < 0:
+        raise ResourceError(f"a quota is a whole number of devices >= 0 (or none), got {quota!r}")
+    return quota
+
+
+class Registry:
+    """Tenants by name and the admin credential's digest; thread-safe, persisted when given a path."""
+
+    def __init__(self, path: str | None, admin_digest: str | None, default_quota: int | None = None) -> None:
+        self.path = Path(os.path.expanduser(path)) if path else None
+        self._lock = threading.Lock()
+        self.tenants: dict[str, TenantRecord] = {}
+        self.admin_digest = admin_digest
+        self.default_quota = check_quota(default_quota)
+        if self.path is not None and self.path.exists():
+            self._load()
+        elif self.path is not None:
+            self._save()
+
+    def _load(self) -> None:
+        data = json.loads(self.path.read_text())
+        self.admin_digest = data.get("admin") or self.admin_digest
+        self.default_quota = data.get("default_quota", self.default_quota)
+        self.tenants = {t["name"]: TenantRecord(**t) for t in data.get("tenants", [])}
+
+    def _save(self) -> None:
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = self.path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"admin": self.admin_digest, "default_quota": self.default_quota,
+                       "tenants": [asdict(t) for t in self.tenants.values()]}, f, indent=1)
+        os.replace(tmp, self.path)
+
+    # -- the admin's operations ---------------------------------------------------------------------------
+    def is_admin(self, credential: object) -> bool:
+        return isinstance(credential, str) and self.admin_digest is not None and auth.matches(credential,
+                                                                                             self.admin_digest)
+
+    def add(self, name: str, weight: float = 1.0, quota: int | None = None, digest: str | None = None) -> str | None:
+        """Register a tenant; returns its new credential (shown once, never stored), or None when the caller
+        gave the credential's ``digest`` (a client that starts its own embedded cluster)."""
+        name, weight = check_name(name), check_weight(weight)
+        quota = self.default_quota if quota is None else check_quota(quota)
+        secret = None if digest else auth.new_secret()
+        with self._lock:
+            if name in self.tenants:
+                raise ResourceError(f"tenant {name!r} already exists; `pathways tenants set` changes it")
+            self.tenants[name] = TenantRecord(name, weight, quota, digest or auth.digest(secret))
+            self._save()
+        return secret
+
+    def set(self, name: str, weight: float | None = None, quota: int | None | str = "keep",
+            new_credential: bool = False) -> str | None:
+        """Change a tenant's weight, quota (None: no limit) or credential; returns a new credential if asked."""
+        with self._lock:
+            record = self._get(name)
+            if weight is not None:
+                record.weight = check_weight(weight)
+            if quota != "keep":
+                record.quota = check_quota(quota)
+            secret = None
+            if new_credential:
+                secret = auth.new_secret()
+                record.credential = auth.digest(secret)
+            self._save()
+            return secret
+
+    def remove(self, name: str) -> None:
+        with self._lock:
+            self._get(name)
+            del self.tenants[name]
+            self._save()
+
+    def _get(self, name: str) -> TenantRecord:
+        record = self.tenants.get(name)
+        if record is None:
+            raise ResourceError(f"no tenant {name!r}; `pathways tenants list` shows them")
+        return record
+
+    # -- what clients prove -------------------------------------------------------------------------------
+    def authenticate(self, name: object, credential: object) -> TenantRecord:
+        """The tenant this credential proves; one error for every failure, so nothing is revealed."""
+        record = self.tenants.get(name) if isinstance(name, str) else None
+        if record is None or not isinstance(credential, str) or not auth.matches(credential, record.credential):
+            raise TenantAccessError(WRONG)
+        return record
+
+    def get(self, name: str) -> TenantRecord | None:
+        return self.tenants.get(name)
+
+    def listing(self) -> list[dict]:
+        with self._lock:
+            return [t.public() for t in sorted(self.tenants.values(), key=lambda t: t.name)]

@@ -1,0 +1,77 @@
+"""One admitted fragment (or put) on a host: its ops, the ids its slots stand for, and where it stands."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from pathways.ops import Aval, Op, SliceDesc, Template, WireSpec
+
+
+@dataclass(frozen=True)
+class Place(Op):
+    """The op a put message becomes: land the host value that came with it as slot 0 (id ``base``)."""
+
+    KIND: ClassVar[str] = "put"
+    slice: SliceDesc
+    spec: WireSpec
+    aval: Aval
+    value: PutValue
+    frees: tuple[int, ...] = ()
+
+    def writes(self) -> tuple[int, ...]:
+        return (0,)
+
+
+class PutValue:
+    """The host value of a put, fetched from the object store in the background from admission on: a client
+    that dies before it is fetched fails this put alone, never the island's order."""
+
+    def __init__(self, ref: Any, on_done: Any) -> None:
+        self.future: Future = ref.future()
+        self.future.add_done_callback(lambda _: on_done())
+
+    def ready(self) -> bool:
+        return self.future.done()
+
+    def result(self) -> Any:
+        return self.future.result(timeout=0)
+
+
+@dataclass(eq=False)
+class Run:
+    """An admitted message's ops, in order; ``pc`` is the next one. Client-minted ids resolve lazily."""
+
+    seq: int
+    tenant: str
+    client: int
+    label: str
+    ops: tuple[Op, ...]
+    template: Template | None = None
+    n_inputs: int = 0
+    base: int = 0
+    inputs: tuple[int, ...] = ()
+    pc: int = 0
+    waiting_since: float | None = None
+    busy_s: float = 0.0
+    admitted: float = field(default_factory=time.time)
+    reported_blocked: bool = False
+    parked: bool = False
+    resumed_at: int = -1  # the recv op this run was resumed at (multi-host islands): its data will not wait
+
+    def rid(self, slot: int) -> int:
+        return self.inputs[slot] if slot < self.n_inputs else self.base + slot
+
+    def ids(self, slots: tuple[int, ...]) -> list[int]:
+        n, base, inputs = self.n_inputs, self.base, self.inputs
+        return [inputs[s] if s < n else base + s for s in slots]
+
+    def touches(self, op: Op) -> list[int]:
+        """Ids the op reads or writes: a free arriving meanwhile must wait until the op is done."""
+        return self.ids(op.touches())
+
+    def remaining_writes(self) -> list[int]:
+        """Ids this run will still write (from ``pc`` on)."""
+        return [i for op in self.ops[self.pc:] for i in self.ids(op.writes())]

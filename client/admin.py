@@ -73,6 +73,15 @@ class Admin:
         """Each healthy island's scheduler counters, every tenant's island time by name."""
         return self._call("schedule")
 
+    def usage(self) -> dict[int, dict[str, tuple[int, int]]]:
+        """Buffers and bytes each tenant holds on each island, counted now."""
+        return {int(i): {t: tuple(v) for t, v in c.items()} for i, c in self._call("usage").items()}
+
+    def hosts(self) -> list[list[Any]]:
+        """Every island's host actor handles (to read their counters)."""
+        payload = wire.encode("admin", {"credential": self._credential, "op": "hosts", "args": {}})
+        return ray.get(self._rm.admin_hosts.remote(payload), timeout=self._timeout)[1]
+
 
 def admin(credential: str | None = None) -> Admin:
     """The admin operations of the runtime this process is attached to (``pw.init`` first): with the given

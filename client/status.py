@@ -1,4 +1,4 @@
-"""``pw.status()``: a snapshot of the cluster as this client's tenant may see it.
+"""``pw.status()``: a snapshot of the cluster as this client's tenant may see it (or the admin, whole).
 
 The resource manager says what exists (islands, health, restarts, this
 tenant's slices and clients; other tenants as counts); each host adds its
@@ -8,9 +8,11 @@ share of its time, with everyone else's as one sum.
 
 from __future__ import annotations
 
+from typing import Any
+
 import ray
 
-from client.session import Session, current
+from client.session import current
 from pathways.cluster import ClusterStatus, HostStatus, IslandStatus
 from pathways.topology import Topology
 
@@ -23,43 +25,46 @@ def status(timeout: float = 10.0) -> ClusterStatus:
     seconds for the hosts' counters (a host that does not answer is reported as not alive)."""
     session = current()
     state = session.request("state", {})
-    return snapshot(session, state, timeout)
+    mac = session.sign("schedule_stats")
+    schedules = [i.scheduler.schedule_stats.remote(session.client_id, mac) for i in session.islands]
+    return snapshot(state, [i.hosts for i in session.islands], schedules, timeout)
 
 
-def snapshot(session: Session, state: dict, timeout: float, schedules: list[dict] | None = None) -> ClusterStatus:
-    """The typed snapshot from a resource manager's ``state`` plus every host's counters (``schedules``: the
-    admin's per-tenant island times, else this tenant's)."""
+def admin_status(admin: Any, timeout: float = 10.0) -> ClusterStatus:
+    """The whole cluster, every tenant named (``admin``: a ``pw.Admin``)."""
+    by_island = {s["island"]: s for s in admin.schedules()}
+    state = admin.state()
+    return snapshot(state, admin.hosts(), [by_island.get(i["index"], {}) for i in state["islands"]], timeout)
+
+
+def snapshot(state: dict, hosts_by_island: list[list[Any]], schedules: list, timeout: float) -> ClusterStatus:
+    """The typed snapshot from a resource manager's ``state``, every host's counters, and each island's
+    scheduler counters (object refs to wait for, or dicts already read)."""
+    stats_refs = [[h.stats.remote() for h in hosts] for hosts in hosts_by_island]
+    pending = [r for refs in stats_refs for r in refs] + [s for s in schedules if isinstance(s, ray.ObjectRef)]
+    ready, _ = ray.wait(pending, num_returns=len(pending), timeout=timeout)
+    ready = set(ready)
+
+    def read(ref: Any) -> dict | None:
+        if not isinstance(ref, ray.ObjectRef):
+            return ref
+        if ref not in ready:
+            return None
+        try:
+            return ray.get(ref)
+        except Exception:  # a dead host or scheduler is reported, not raised
+            return None
+
     islands = []
-    for k, (isl, client) in enumerate(zip(state["islands"], session.islands)):
-        refs = [h.stats.remote() for h in client.hosts]
-        if schedules is None:
-            sched_ref = client.scheduler.schedule_stats.remote(session.client_id, session.sign("schedule_stats"))
-        else:
-            sched_ref = None
-        ready, _ = ray.wait(refs + ([sched_ref] if sched_ref else []), num_returns=len(refs) + bool(sched_ref),
-                            timeout=timeout)
-        sched: dict = {}
-        if schedules is not None:
-            sched = next((s for s in schedules if s.get("island") == k), {})
-        elif sched_ref in ready:
-            try:
-                sched = ray.get(sched_ref)
-            except Exception:  # a dead scheduler: the island is reported, not raised
-                sched = {}
+    for isl, refs, sched_ref in zip(state["islands"], stats_refs, schedules):
+        sched = read(sched_ref) or {}
         hosts = []
         for info, ref in zip(isl["hosts"], refs):
-            stats: dict = {}
-            alive = ref in ready
-            if alive:
-                try:
-                    stats = ray.get(ref)
-                except Exception:  # a dead host is reported, not raised
-                    alive = False
+            stats = read(ref)
             hosts.append(HostStatus(island=info["island"], host=info["host"], node=info["node"],
-                                    devices=info["devices"], alive=alive, ip=info.get("ip", ""),
-                                    **{f: stats[f] for f in HOST_FIELDS if f in stats}))
-        queued = sched.get("queued", 0)
-        depth = queued + max((h.queue_depth for h in hosts), default=0)
+                                    devices=info["devices"], alive=stats is not None, ip=info.get("ip", ""),
+                                    **{f: (stats or {})[f] for f in HOST_FIELDS if f in (stats or {})}))
+        depth = sched.get("queued", 0) + max((h.queue_depth for h in hosts), default=0)
         restarts = [r for r in state.get("restarts", []) if r["island"] == isl["index"]]
         islands.append(IslandStatus(isl["index"], isl["healthy"], isl["reason"], hosts, depth,
                                     sched.get("tenant_time_s", {}), sched.get("tenant_time_recent_s", {}),

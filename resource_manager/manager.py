@@ -454,7 +454,18 @@ class ResourceManager:
             mac = auth.sign(self._key, "tenant_schedule")
             return [ray.get(i.scheduler.tenant_schedule.remote(mac), timeout=PING_TIMEOUT * 5)
                     for i in self._healthy()]
+        if op == "usage":
+            self._take_census()
+            return {str(i): {t: list(v) for t, v in c.items()} for i, c in self._census.items()}
         raise ResourceError(f"unknown admin operation {op!r}")
+
+    def admin_hosts(self, payload: bytes) -> tuple[list, list]:
+        """Each island's epoch and host handles, for the admin's tools (``pathways status``)."""
+        msg = wire.decode(payload, "admin")
+        if not self.registry.is_admin(msg["credential"]):
+            raise TenantAccessError("this operation needs the cluster's admin credential")
+        with self._lock:
+            return [i.epoch for i in self.islands], [i.hosts for i in self.islands]
 
     def _tenants(self) -> list[dict]:
         out = []

@@ -18,7 +18,19 @@ from client.lowering import lower, placement_of
 from client.session import current
 from client.tracer import Traced
 from pathways.errors import ProgramError
+from pathways.graph import Program
 from pathways.messages import Call
+from pathways.ops import check_fits, spec_of
+from pathways.sharding import spec_to_wire
+
+
+def check_sizes(program: Program, session: Any) -> None:
+    """ResourceError before anything is sent if a value the program makes cannot fit the hosts it lands on."""
+    for node in program.nodes:
+        for value in node.outputs:
+            desc = value.slice.desc()
+            check_fits(value.aval(), spec_of(spec_to_wire(value.spec)), desc, session.limits(value.slice.island),
+                       f"{node.name} in program {program.name!r} (output {value.describe()})")
 
 
 def dispatch(traced: Traced, leaves: list) -> Any:
@@ -32,6 +44,7 @@ def dispatch(traced: Traced, leaves: list) -> Any:
     lowered = traced.lowered
     if lowered is None or lowered.placement != placement_of(program):
         start = time.time()
+        check_sizes(program, session)
         lowered = traced.lowered = lower(program, traced.exes)
         session.events.span(f"lower {program.name}", "lower", start, time.time(),
                             fragments=len(lowered.fragments))

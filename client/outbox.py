@@ -120,12 +120,18 @@ class Outboxes:
                 except Exception as exc:  # never let the sender die silently
                     log.warning("sending to an island scheduler failed: %s", exc)
 
-    def close(self, timeout: float, skip: set[int]) -> None:
-        """Send everything still held (except to the islands in ``skip``), then stop the sender thread."""
+    def drain(self, timeout: float, skip: set[int]) -> bool:
+        """Send everything held (except to the islands in ``skip``); False if an island did not take it in time."""
         deadline = time.monotonic() + timeout
+        ok = True
         for island, box in enumerate(self._boxes):
             if island not in skip and not box.drain(deadline):
-                log.warning("island %d's scheduler did not answer within %.0fs; messages to it were dropped",
-                            island, timeout)
+                log.warning("island %d's scheduler did not answer within %.0fs", island, timeout)
+                ok = False
+        return ok
+
+    def close(self, timeout: float, skip: set[int]) -> None:
+        """Send everything still held (except to the islands in ``skip``), then stop the sender thread."""
+        self.drain(timeout, skip)
         self._stopped = True
         self._wake.set()

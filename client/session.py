@@ -8,7 +8,6 @@ every message this client sends, so no other process can speak for it.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import threading
@@ -30,6 +29,7 @@ from pathways.errors import IslandFailedError, PathwaysError, TenantAccessError,
 from pathways.events import EventLog
 from pathways.messages import CLIENT_ID_BITS, Free
 from pathways.names import FETCH_TIMED_OUT, NAMESPACE
+from pathways.ops import Limits
 from pathways.topology import Topology
 
 TENANT_ENV = "PATHWAYS_TENANT"
@@ -105,7 +105,7 @@ class Session:
         # The first call to an actor resolves its handle (~0.5 s); pay that now, not on the first put.
         ray.get([i.scheduler.ping.remote() for i in self.islands if reply["islands"][i.index]["healthy"]],
                 timeout=timeouts.start)
-        self._counter = itertools.count(1)
+        self._next_id = 1
         self._id_lock = threading.Lock()
         self.sent_exes: list[set[str]] = [set() for _ in self.islands]
         self.dead: dict[int, str] = {}
@@ -121,9 +121,10 @@ class Session:
     def mint(self, n: int = 1) -> int:
         """Reserve ``n`` consecutive buffer ids; the first is returned. Ids never repeat in a cluster."""
         with self._id_lock:
-            start = next(self._counter)
-            for _ in range(n - 1):
-                next(self._counter)
+            start = self._next_id
+            self._next_id += n
+        if self._next_id >= 1 << CLIENT_ID_BITS:
+            raise PathwaysError("this client has minted all the buffer ids it can; start a new session")
         return (self.client_id << CLIENT_ID_BITS) | start
 
     def sign(self, purpose: str, *parts: Any) -> bytes:
@@ -157,6 +158,12 @@ class Session:
 
     def epoch(self, island: int) -> int:
         return self.islands[island].epoch
+
+    def limits(self, island: int) -> Limits:
+        """What a host of ``island`` can hold (from the resource manager): arrays larger are refused here."""
+        hosts = self.host_info[island]
+        return Limits(island, self.topology.islands, self.topology.hosts_per_island, self.topology.devices_per_host,
+                      min(h["memory_bytes"] for h in hosts), min(h["device_bytes"] for h in hosts))
 
     # -- islands that fail and restart --------------------------------------------------------------------
     def refresh(self, island: int) -> bool:
@@ -266,6 +273,13 @@ class Session:
         payload = wire.encode("suspect", {"island": island, "reason": reason[:500]})
         self.rm.request.remote(self.client_id, payload, self.sign("rm", payload))
 
+    def flush(self, timeout: float | None = None) -> None:
+        """Send every message this client still holds back (see ``client.outbox``), waiting at most
+        ``timeout`` seconds (the op timeout by default) for the islands to take them."""
+        self.frees.flush()
+        if not self.outboxes.drain(self.timeouts.op if timeout is None else timeout, skip=set(self.dead)):
+            raise IslandFailedError("the islands did not take this client's messages in time")
+
     # -- teardown -----------------------------------------------------------------------------------------
     def close(self) -> None:
         if self.closed:
@@ -334,6 +348,7 @@ class FreeBatcher:
 
 _session: Session | None = None
 _lock = threading.Lock()
+_started: dict[str, tuple[str, str, str]] = {}  # runtimes this process started: (admin, tenant, credential)
 
 
 def current() -> Session:
@@ -386,8 +401,15 @@ def init(topology: Topology | None = None, address: str | None = None, *, tenant
             rm = start_runtime(topology or Topology(), timeouts.op, timeouts.start, auth.digest(admin),
                                implicit={"tenant": tenant, "digest": auth.digest(credential)},
                                default_quota=default_quota)
-        elif topology is not None:
-            start_runtime(topology, timeouts.op, timeouts.start, None)  # refuses a different running topology
+            _started[rm._actor_id.hex()] = (admin, tenant, credential)
+        else:
+            if topology is not None:
+                start_runtime(topology, timeouts.op, timeouts.start, None)  # refuses a different running topology
+            mine = _started.get(rm._actor_id.hex())
+            if mine is not None:  # a runtime this process started: it stays its admin and implicit tenant
+                admin = mine[0]
+                if tenant == mine[1] and credential is None:
+                    credential = mine[2]
         if credential is None and ticket is None:
             raise TenantAccessError(f"tenant {tenant!r} has no credential on this machine: ask the cluster's admin "
                                     f"for one (`pathways tenants add {tenant}`), then pass pw.init(credential=...), "

@@ -230,8 +230,13 @@ class Executor:
                     self._behind.setdefault(producer, []).append(run)
                     for written in run.remaining_writes():
                         self._future.setdefault(written, producer)
-                    return True
-        return False
+                    break
+            else:
+                return False
+        if not run.reported_blocked:  # it waits on another island too: it must not hold the window
+            run.reported_blocked = True
+            self._report.blocked.append(run.seq)
+        return True
 
     # -- failures -----------------------------------------------------------------------------------------
     def _timeout_failure(self, run: Run, op: Op) -> Failure:

@@ -37,6 +37,7 @@ from resource_manager.buffers import BufferTable, Failure
 from resource_manager.grants import Grants
 from resource_manager.scheduler import Released, Resume, Scheduler
 
+RUNTIME_ONLY = "refused: this method is for the runtime's own actors"
 SCHEDULE = "schedule"  # the concurrency group of the scheduler's methods: one thread of their own
 MAINTENANCE_S = 0.5
 log = logging.getLogger(__name__)
@@ -131,8 +132,13 @@ class Host:
             self.executor.touch()
 
     def _runtime(self, mac: bytes, purpose: str, *parts: Any) -> None:
-        if self._key is None or not auth.verify(self._key, mac, purpose, *parts):
-            raise TenantAccessError("refused: this method is for the runtime's own actors")
+        """Refuse unless ``mac`` is the runtime key's signature over these parts (a runtime actor's call)."""
+        try:
+            ok = self._key is not None and auth.verify(self._key, mac, purpose, *parts)
+        except TypeError:  # parts of a kind no runtime actor sends
+            ok = False
+        if not ok:
+            raise TenantAccessError(RUNTIME_ONLY)
 
     # -- the resource manager's orders --------------------------------------------------------------------
     @ray.method(concurrency_group=SCHEDULE)
@@ -176,7 +182,8 @@ class Host:
         if self.admission is not None:
             self.admission.revoke(client)
             if free:  # in the island's order, after everything the client sent
-                entry = Admitted(client, session.tenant, b"", (), Free((), everything=True))
+                free = Free((), everything=True)
+                entry = Admitted(client, session.tenant, free.encode(), (), free)
                 self._forward(self.scheduler.queue([entry]))
         if session.tenant not in self.grants.tenants():
             self.exes.drop_tenant(session.tenant)
@@ -218,18 +225,26 @@ class Host:
             self._forward(released)
         elif report.landed:
             pairs = [list(p) for p in report.landed]
-            self.peers.handle(self.island, 0).landed.remote(self.index, pairs,
-                                                            auth.sign(self._key, "landed", self.index, *sum(pairs, [])))
+            flat = [x for pair in pairs for x in pair] + [self.index]
+            self.peers.handle(self.island, 0).landed.remote(self.index, pairs, auth.sign(self._key, "landed", *flat))
 
     @ray.method(concurrency_group=SCHEDULE)
     def landed(self, host: int, pairs: list, mac: bytes) -> None:
         """Host ``host`` has the data of these parked receives (multi-host islands)."""
-        self._runtime(mac, "landed", host, *sum(pairs, []))
+        try:
+            flat = [int(x) for pair in pairs for x in pair] + [int(host)]
+        except (TypeError, ValueError):
+            raise TenantAccessError(RUNTIME_ONLY) from None
+        self._runtime(mac, "landed", *flat)
         self._forward(self.scheduler.landed(host, [tuple(p) for p in pairs]))
 
     def enqueue_batch(self, rows: list, mac: bytes) -> None:
         """Host 0's ordered rows for this host."""
-        self._runtime(mac, "enqueue", *row_parts(rows))
+        try:
+            parts = row_parts(rows)
+        except Exception:  # not rows host 0 sends
+            raise TenantAccessError(RUNTIME_ONLY) from None
+        self._runtime(mac, "enqueue", *parts)
         self.inbox.accept_rows(rows)
 
     def _maintain(self) -> None:

@@ -480,7 +480,7 @@ class ResourceManager:
         return [{"index": i.index, "epoch": i.epoch, "healthy": i.index not in self.inventory.unhealthy,
                  "reason": self.inventory.unhealthy.get(i.index, ""),
                  "hosts": [{k: h[k] for k in ("island", "host", "node", "ip", "devices", "node_labels",
-                                              "memory_bytes", "device_bytes")} for h in i.host_info]}
+                                              "memory_bytes", "device_bytes", "channel")} for h in i.host_info]}
                 for i in self.islands]
 
     def _state(self, tenant: str | None) -> dict:

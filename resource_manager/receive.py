@@ -45,10 +45,14 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Mailbox:
-    pieces: dict[Region, Any] = field(default_factory=dict)  # np.ndarray | Lent
-    senders: dict[Region, Sender] = field(default_factory=dict)
+    """What arrived for one receive id, by sender: a piece from one host never displaces another's."""
+
+    pieces: dict[tuple[Sender, Region], Any] = field(default_factory=dict)  # np.ndarray | Lent
     failure: Failure | None = None
     since: float = field(default_factory=time.monotonic)
+
+    def count(self, allowed: frozenset[Sender]) -> int:
+        return sum(1 for sender, _ in self.pieces if sender in allowed)
 
 
 @dataclass
@@ -95,11 +99,10 @@ class Receiver:
             if len(box.pieces) >= MAX_SHARDS:
                 self._give_back([data])
                 continue
-            old = box.pieces.get(shard)
+            old = box.pieces.get((sender, shard))
             if old is not None:
                 self._give_back([old])
-            box.pieces[shard] = data
-            box.senders[shard] = sender
+            box.pieces[(sender, shard)] = data
             if isinstance(data, np.ndarray):
                 self.bytes_in += data.nbytes
         watch = self._watches.get(key)
@@ -128,7 +131,7 @@ class Receiver:
 
     @staticmethod
     def _complete(box: Mailbox, count: int, allowed: frozenset[Sender]) -> bool:
-        return box.failure is not None or sum(1 for s in box.senders.values() if s in allowed) >= count
+        return box.failure is not None or box.count(allowed) >= count
 
     # -- recv ops -----------------------------------------------------------------------------------------
     def recv(self, key: int, op: Recv, expect: Expect, landing: Landing, tenant: str, label: str,
@@ -155,7 +158,7 @@ class Receiver:
             self.table.put(key, tenant, box.failure)
             return True
         try:
-            array = assemble(landing, box.pieces, self.pool.take)
+            array = assemble(landing, {region: data for (_, region), data in box.pieces.items()}, self.pool.take)
         except OSError as exc:
             raise IslandFailedError(f"copying the shards island {op.src} lent to island {self.island} "
                                     f"(program {label!r}) failed: {exc}; the sending host died") from exc
@@ -170,15 +173,13 @@ class Receiver:
         return True
 
     def _refuse_foreign(self, key: int, box: Mailbox, allowed: frozenset[Sender]) -> None:
-        foreign = [r for r, s in box.senders.items() if s not in allowed]
+        foreign = [k for k in box.pieces if k[0] not in allowed]
         if not foreign:
             return
         self.refused += len(foreign)
         log.warning("island %d host %d refused %d piece(s) for receive %d from hosts %s that its plan does not "
-                    "name", self.island, self.host, len(foreign), key, sorted({box.senders[r] for r in foreign}))
-        self._give_back([box.pieces.pop(r) for r in foreign])
-        for r in foreign:
-            del box.senders[r]
+                    "name", self.island, self.host, len(foreign), key, sorted({sender for sender, _ in foreign}))
+        self._give_back([box.pieces.pop(k) for k in foreign])
 
     # -- parked recv ops (multi-host islands) -----------------------------------------------------------
     def watch(self, seq: int, pc: int, key: int, op: Recv, expect: Expect | None) -> None:

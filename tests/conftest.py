@@ -27,6 +27,24 @@ def host_stats(session, island: int, host: int = 0) -> dict:
     return ray.get(session.islands[island].hosts[host].stats.remote(), timeout=30)
 
 
+def usage(session, island: int, host: int = 0) -> dict:
+    """This session's tenant's buffers, bytes and peak on one host."""
+    return ray.get(session.islands[island].hosts[host].usage.remote(session.client_id, session.sign("usage", 0)),
+                   timeout=30)
+
+
+def tenant_env(tenant: str, weight: float = 1.0, quota: int | None = None) -> dict:
+    """The environment of a client process acting as ``tenant`` on this session's cluster: the tenant is
+    registered (or re-keyed) by this process, which started the runtime and so is its admin."""
+    admin = pw.admin()
+    if any(t["name"] == tenant for t in admin.tenants()):
+        credential = admin.set_tenant(tenant, weight=weight, quota=quota, new_credential=True)
+    else:
+        credential = admin.add_tenant(tenant, weight=weight, quota=quota)
+    return dict(os.environ, RAY_ADDRESS=ray.get_runtime_context().gcs_address, PATHWAYS_TENANT=tenant,
+                PATHWAYS_CREDENTIAL=credential)
+
+
 def settle(session, islands=(0, 1), expect=None, timeout: float = 10.0) -> list[int]:
     """Buffer counts per island once the batched frees have landed: until they equal ``expect``, or without
     one, until two readings in a row agree (frees still on their way would make a first reading too high)."""

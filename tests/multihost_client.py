@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 import jax.numpy as jnp
 import numpy as np
@@ -28,8 +29,8 @@ def spmd() -> dict:
     same = pw.program(lambda v: g(v))
     out["matching_transfer"] = bool(np.array_equal(np.asarray(same(x)), 2 * a))
     traced = same._cache[next(iter(same._cache))]
-    send = next(op for op in lower(traced.program, traced.exes).fragments[0].ops if op["op"] == "send")
-    out["routes"] = [[r["host"], r["to"]] for r in send["routes"]]
+    send = next(op for op in lower(traced.program, traced.exes).fragments[0].ops if op.KIND == "send")
+    out["routes"] = [[r.host, r.to] for r in send.routes]
     h = pw.jit(lambda v: v + 1.0, slice=other, in_specs=(P(None, "data"),), out_specs=P())
     out["reshard_transfer"] = bool(np.allclose(np.asarray(pw.program(lambda v: h(v))(x)), a + 1))
     y = pw.put(a, small, P("x"))
@@ -39,8 +40,8 @@ def spmd() -> dict:
     return out
 
 
-def gang(tenant: str, n: int) -> dict:
-    pw.init(tenant=tenant, timeouts=pw.Timeouts(fetch=120.0, op=120.0))
+def gang(n: int) -> dict:
+    tenant = pw.init(timeouts=pw.Timeouts(fetch=120.0, op=120.0)).tenant
     s = pw.slice((4,), ("x",), island=0)
     scale = 0.5 if tenant == "a" else 0.75
     # every program runs cross-host collectives: a sharded reduction and an all-gather
@@ -64,7 +65,7 @@ def gang(tenant: str, n: int) -> dict:
 
 def traced(path: str) -> dict:
     """Two programs interleaved on the 2-host island under pw.trace: each host's fragment order."""
-    pw.init(tenant="tracer", timeouts=pw.Timeouts(fetch=60.0, op=60.0))
+    pw.init(timeouts=pw.Timeouts(fetch=60.0, op=60.0))
     s = pw.slice((4,), ("x",), island=0)
     f = pw.jit(lambda v: v * 0.5 + jnp.sum(v), slice=s, in_specs=(P("x"),), out_specs=P("x"))
     g = pw.jit(lambda v: jnp.cos(v) - jnp.mean(v), slice=s, in_specs=(P("x"),), out_specs=P("x"))
@@ -80,12 +81,39 @@ def traced(path: str) -> dict:
     return {"orders": [order.get(0, []), order.get(1, [])]}
 
 
+def exchange(direction: str, n: int, start_at: float, timeout: float) -> dict:
+    """``n`` programs, one every 50 ms from ``start_at`` (the other client starts at the same instant), each
+    moving a value from one island to the other and back with a cross-host collective on each side. Each
+    client sends a program's messages to the island it starts from first, so the two clients' messages reach
+    each island in opposite orders: the islands' orders disagree."""
+    pw.init(timeouts=pw.Timeouts(fetch=timeout, op=timeout))
+    src, dst = (0, 1) if direction == "forward" else (1, 0)
+    a, b = pw.slice((4,), ("x",), island=src), pw.slice((4,), ("x",), island=dst)
+    f = pw.jit(lambda v: v * 0.5 + jnp.sum(v) / 16, slice=a, in_specs=(P("x"),), out_specs=P("x"))
+    g = pw.jit(lambda v: jnp.sin(v) + jnp.mean(v), slice=b, in_specs=(P("x"),), out_specs=P("x"))
+    step = pw.program(lambda v: g(f(v)))  # v lives on the other island: a transfer each way
+    x0 = np.arange(16, dtype=np.float32) / 16
+    step(pw.put(x0, b, P("x"))).block_until_ready()  # compiled everywhere before the race starts
+    outs = []
+    for k in range(n):
+        time.sleep(max(0.0, start_at + 0.05 * k - time.time()))
+        outs.append(step(pw.put(x0 + k, b, P("x"))))
+    ok = True
+    for k, out in enumerate(outs):
+        r = (x0 + k) * 0.5 + (x0 + k).sum() / 16
+        ok &= bool(np.allclose(np.asarray(out), np.sin(r) + r.mean(), rtol=1e-4, atol=1e-5))
+    pw.shutdown()
+    return {"direction": direction, "programs": n, "ok": ok}
+
+
 if __name__ == "__main__":
     mode = sys.argv[1]
     if mode == "spmd":
         result = spmd()
     elif mode == "trace":
         result = traced(sys.argv[2])
+    elif mode == "exchange":
+        result = exchange(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), float(sys.argv[5]))
     else:
-        result = gang(sys.argv[2], int(sys.argv[3]))
+        result = gang(int(sys.argv[2]))
     print(json.dumps(result), flush=True)

@@ -1,6 +1,7 @@
 """A client process for the multi-tenancy tests: `hold`, `attack` or `load`, as one tenant.
 
-Run as ``python tests/tenant_client.py MODE TENANT [args]`` with RAY_ADDRESS set; prints JSON lines.
+Run as ``python tests/tenant_client.py MODE [args]`` with RAY_ADDRESS, PATHWAYS_TENANT and PATHWAYS_CREDENTIAL
+set (``conftest.tenant_env``); prints JSON lines.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ def emit(**kw) -> None:
     print(json.dumps(kw), flush=True)
 
 
-def hold(tenant: str) -> None:
-    session = pw.init(tenant=tenant)
+def hold() -> None:
+    session = pw.init()
     s = pw.slice((2,), ("x",), island=0)
     arrays = [pw.put(np.full(8, i, np.float32), s) for i in range(5)]
     arrays[-1].block_until_ready()
@@ -32,8 +33,9 @@ def hold(tenant: str) -> None:
     time.sleep(600)  # until the test kills this process
 
 
-def attack(tenant: str, victim_id: int, victim_slice: str) -> None:
-    session = pw.init(tenant=tenant, timeouts=pw.Timeouts(fetch=20.0))
+def attack(victim_id: int, victim_slice: dict) -> None:
+    """Try to read, use and write another tenant's buffer and slice (whose id and devices it guessed)."""
+    session = pw.init(timeouts=pw.Timeouts(fetch=20.0))
     mine = pw.slice((2,), ("x",), island=0)
     forged = Array(session, victim_id, (4,), np.float32, mine, P(), frozenset({0}))
     outcome = {}
@@ -47,8 +49,7 @@ def attack(tenant: str, victim_id: int, victim_slice: str) -> None:
     attempt("fetch", lambda: forged.fetch().tolist())
     double = pw.jit(lambda v: v * 2.0, slice=mine)
     attempt("compute", lambda: double(forged).fetch().tolist())
-    victim = next(a for a in pw.status().allocations if a["key"] == victim_slice)
-    stolen = VirtualSlice(session, {**victim, "tenant": tenant})
+    stolen = VirtualSlice(session, {**victim_slice, "tenant": session.tenant})
     attempt("put_on_slice", lambda: pw.put(np.zeros(4, np.float32), stolen).fetch().tolist())
     attempt("run_on_slice", lambda: pw.jit(lambda: np.float32(1.0), slice=stolen)().fetch().tolist())
     forged = None  # dropping the handle frees its id, which must not touch the victim's buffer
@@ -57,8 +58,8 @@ def attack(tenant: str, victim_id: int, victim_slice: str) -> None:
     pw.shutdown()
 
 
-def load(tenant: str, weight: float, start_at: float, seconds: float) -> None:
-    pw.init(tenant=tenant, weight=weight)
+def load(start_at: float, seconds: float) -> None:
+    session = pw.init()
     s = pw.slice((2,), ("x",), island=0)
     f = pw.jit(lambda m: jax.lax.fori_loop(0, 8, lambda i, a: jnp.tanh(a @ m), m), slice=s,
                in_specs=(P("x"),), out_specs=P("x"))  # ~10 ms of island time: the island is the bottleneck
@@ -72,15 +73,15 @@ def load(tenant: str, weight: float, start_at: float, seconds: float) -> None:
         if previous is not None:
             previous.block_until_ready()
         previous = batch[-1]
-    emit(tenant=tenant, calls=calls)
+    emit(tenant=session.tenant, calls=calls)
     pw.shutdown()
 
 
 if __name__ == "__main__":
-    mode, tenant = sys.argv[1], sys.argv[2]
+    mode = sys.argv[1]
     if mode == "hold":
-        hold(tenant)
+        hold()
     elif mode == "attack":
-        attack(tenant, int(sys.argv[3]), sys.argv[4])
+        attack(int(sys.argv[2]), json.loads(sys.argv[3]))
     else:
-        load(tenant, float(sys.argv[3]), float(sys.argv[4]), float(sys.argv[5]))
+        load(float(sys.argv[2]), float(sys.argv[3]))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -15,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import ray
-from conftest import host_stats, settle
+from conftest import host_stats, settle, tenant_env
 from jax.sharding import PartitionSpec as P
 
 import pathways as pw
@@ -124,21 +123,24 @@ def test_buffers_are_freed_when_handles_are_dropped(cluster):
         assert settle(cluster, expect=start) == start
 
 
-def test_garbage_messages_are_refused_and_hosts_keep_serving(cluster):
-    island = cluster.islands[0]
-    for bad in (b"garbage", b"\x81\xa1v\x63", wire.encode("free", {"tenant": "t", "client": 1, "ids": []})[:-2]):
-        with pytest.raises(pw.WireFormatError):
-            ray.get(island.scheduler.submit.remote(bad), timeout=30)
-        with pytest.raises(pw.WireFormatError):
-            ray.get(island.hosts[0].fetch.remote(bad), timeout=30)
-        with pytest.raises(pw.WireFormatError):
-            ray.get(island.hosts[0].deliver.remote(bad), timeout=30)
-        with pytest.raises(pw.WireFormatError):
-            ray.get(island.hosts[0].enqueue.remote(10**9, bad), timeout=30)
-    wrong_version = wire.encode("free", {"tenant": "t", "client": 1, "ids": []}).replace(b"\xa1v\x01", b"\xa1v\x07")
+def test_garbage_and_unsigned_messages_are_refused_and_hosts_keep_serving(cluster):
+    host = cluster.islands[0].hosts[0]
+    me = cluster.client_id
+    for bad in (b"garbage", b"\x81\xa1v\x63", wire.encode("free", {"ids": []})[:-2]):
+        with pytest.raises(pw.TenantAccessError, match="not signed by a session"):  # a forged signature
+            ray.get(host.fetch.remote(me, bad, b"x" * 32), timeout=30)
+        with pytest.raises(pw.WireFormatError):  # signed by the session, but not a fetch
+            ray.get(host.fetch.remote(me, bad, cluster.sign("fetch", bad)), timeout=30)
+        with pytest.raises(pw.TenantAccessError, match="runtime's own actors"):
+            ray.get(host.deliver.remote(bad, b"\0" * 32), timeout=30)
+        with pytest.raises(pw.TenantAccessError, match="runtime's own actors"):
+            ray.get(host.enqueue_batch.remote([(10**9, "msg", bad)], b"\0" * 32), timeout=30)
+    wrong_version = wire.encode("fetch", {"id": 1, "timeout": 1.0, "ready_only": True}).replace(b"\xa1v\x02",
+                                                                                                 b"\xa1v\x07")
     with pytest.raises(pw.WireFormatError, match="unsupported wire version 7"):
-        ray.get(island.scheduler.submit.remote(wrong_version), timeout=30)
-    reply = wire.decode(ray.get(cluster.rm.allocate.remote(b"\x00garbage"), timeout=30), "reply")
+        ray.get(host.fetch.remote(me, wrong_version, cluster.sign("fetch", wrong_version)), timeout=30)
+    reply = wire.decode(ray.get(cluster.rm.request.remote(me, b"\x00garbage", cluster.sign("rm", b"\x00garbage")),
+                                timeout=30), "reply")
     assert not reply["ok"] and reply["value"][0] == "WireFormatError"
     with pw.slice((2,), ("x",), island=0) as s:
         np.testing.assert_allclose(np.asarray(pw.jit(lambda v: v - 1.0, slice=s)(pw.put(np.ones(2), s))), 0.0)
@@ -158,29 +160,32 @@ def test_a_fetch_that_times_out_says_where_the_program_stopped(cluster):
         out.block_until_ready(timeout=60)
 
 
-def test_second_process_sees_the_same_cluster(cluster):
+def test_a_second_process_sees_the_same_cluster_but_not_another_tenants_slices(cluster):
     with pw.slice((3,), ("x",), island=1) as mine:
         script = textwrap.dedent("""
             import json, numpy as np, pathways as pw
-            pw.init(address="auto", tenant="visitor")
+            pw.init(address="auto")  # tenant and credential from the environment
             st = pw.status()
             other = pw.slice((1,), ("x",), island=0)
             kept = [pw.jit(lambda v: v * 2, slice=other)(pw.put(np.ones(3), other)) for _ in range(4)]
             kept[-1].block_until_ready()
             print(json.dumps({"islands": len(st.islands), "keys": [a["key"] for a in st.allocations],
-                              "topology": str(st.topology), "other": other.key}))
+                              "others": st.others, "topology": str(st.topology), "other": other.key,
+                              "tenants": sorted(st.tenants)}))
             pw.shutdown()
         """)
-        env = dict(os.environ, RAY_ADDRESS=ray.get_runtime_context().gcs_address)
-        proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+        proc = subprocess.run([sys.executable, "-c", script], env=tenant_env("visitor"), capture_output=True,
+                              text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr[-2000:]
         seen = json.loads(proc.stdout.strip().splitlines()[-1])
-        assert seen["islands"] == 2 and mine.key in seen["keys"]
-        assert seen["topology"] == str(cluster.topology)
+        assert seen["islands"] == 2 and seen["topology"] == str(cluster.topology)
+        assert seen["keys"] == [] and seen["tenants"] == ["visitor"]  # our slice is a count to it, not a name
+        assert seen["others"]["slices"] >= 1 and seen["others"]["devices"] >= 3
+        assert mine.key not in json.dumps(seen) or mine.key == seen["other"]
         # the other client's slice and buffers went away with its session, and the cluster is still ours
-        assert seen["other"] not in {a["key"] for a in pw.status().allocations}
+        assert seen["other"] not in {a["key"] for a in pw.admin().state()["allocations"]}
         deadline = time.monotonic() + 20
-        while "visitor" in host_stats(cluster, 0)["by_tenant"] and time.monotonic() < deadline:
+        while "visitor" in pw.admin().usage()[0] and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert "visitor" not in host_stats(cluster, 0)["by_tenant"]  # its buffer count is back to zero
+        assert "visitor" not in pw.admin().usage()[0]  # its buffer count is back to zero
     assert pw.status().islands[1].healthy

@@ -1,4 +1,4 @@
-"""Issue 4: islands of several hosts (a jax.distributed group each), placement, gang scheduling under
+"""Islands of several hosts (a jax.distributed group each), placement, gang scheduling under
 concurrency. The multi-host cluster runs in a daemon process so the shared session cluster is untouched."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -16,21 +17,26 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 @pytest.fixture(scope="module")
 def multihost():
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    daemon = subprocess.Popen([sys.executable, os.path.join(HERE, "cluster_daemon.py"), "2", "2", "2"], env=env,
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    daemon = subprocess.Popen([sys.executable, os.path.join(HERE, "cluster_daemon.py"), "2", "2", "2", *TENANTS],
+                              env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     line = daemon.stdout.readline()
     if not line:
         daemon.kill()
         pytest.fail(f"the multi-host cluster did not start: {daemon.stderr.read()[-3000:]}")
-    yield json.loads(line)["address"]
+    yield json.loads(line)
     daemon.stdin.close()
     daemon.wait(timeout=60)
 
 
-def client(address: str, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, os.path.join(HERE, "multihost_client.py"), *args],
-                            env=dict(os.environ, RAY_ADDRESS=address), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+TENANTS = ("checker", "a", "b", "tracer", "forward", "backward")
+
+
+def client(cluster: dict, tenant: str, *args: str) -> subprocess.Popen:
+    """A client process of ``tenant`` on the multi-host cluster (running ``multihost_client.py args``)."""
+    env = dict(os.environ, RAY_ADDRESS=cluster["address"], PATHWAYS_TENANT=tenant,
+               PATHWAYS_CREDENTIAL=cluster["credentials"][tenant])
+    return subprocess.Popen([sys.executable, os.path.join(HERE, "multihost_client.py"), *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def result(proc: subprocess.Popen, timeout: float = 300) -> dict:
@@ -40,7 +46,7 @@ def result(proc: subprocess.Popen, timeout: float = 300) -> dict:
 
 
 def test_spmd_across_hosts_placement_and_transfers(multihost):
-    r = result(client(multihost, "spmd"))
+    r = result(client(multihost, "checker", "spmd"))
     assert r["small_hosts"] in ([0], [1]) and r["wide_hosts"] == [0, 1]
     assert r["roundtrip"] and r["spmd"] and r["single_host_slice"]
     assert r["matching_transfer"] and r["routes"] == [[0, 0], [1, 1]]  # PaLM's host i -> host i
@@ -48,12 +54,23 @@ def test_spmd_across_hosts_placement_and_transfers(multihost):
 
 
 def test_two_clients_interleave_collectives_on_one_island(multihost):
-    procs = [client(multihost, "gang", tenant, "220") for tenant in ("a", "b")]
+    procs = [client(multihost, tenant, "gang", "220") for tenant in ("a", "b")]
     results = [result(p) for p in procs]
     assert all(r["ok"] and r["programs"] == 220 for r in results), results
 
 
 def test_trace_shows_the_same_order_on_every_host(multihost, tmp_path):
-    r = result(client(multihost, "trace", str(tmp_path / "trace.json")))
+    r = result(client(multihost, "tracer", "trace", str(tmp_path / "trace.json")))
     host0, host1 = r["orders"]
     assert len(host0) >= 20 and host0 == host1, r
+
+
+def test_two_clients_exchanging_data_in_opposite_directions_never_deadlock(multihost):
+    """Each client's programs move data island 0 -> 1 -> 0 (or 1 -> 0 -> 1) with cross-host collectives on both
+    sides, many at once: each island's order puts one client's receive before the other's send, and only
+    receives that park off the order keep the two islands from waiting on each other for ever."""
+    start_at = str(time.time() + 25)  # both clients ready by then, and racing from then on
+    procs = [client(multihost, direction, "exchange", direction, "30", start_at, "300")
+             for direction in ("forward", "backward")]
+    results = [result(p, timeout=400) for p in procs]
+    assert all(r["ok"] and r["programs"] == 30 for r in results), results

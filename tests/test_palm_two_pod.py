@@ -68,7 +68,7 @@ def _island0_ops(step: TrainStep, host_state: tuple) -> list[tuple[str, str]]:
     state = step.put_state(*host_state)
     graph = step.program.graph(state.params, state.opt_state,
                                step.put_batch(data.batch(0, 0, BATCH, TINY.seq_len)))
-    return [(op["op"], op.get("name", "")) for op in lower(graph, step.program._last.exes).fragments[0].ops]
+    return [(op.KIND, getattr(op, "name", "")) for op in lower(graph, step.program._last.exes).fragments[0].ops]
 
 
 def test_overlap_sends_each_group_while_the_next_backward_runs(slices, host_state):

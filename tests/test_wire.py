@@ -1,46 +1,71 @@
-"""The wire format's validation: what it accepts, and errors that name the field that was wrong."""
+"""The wire format: what it accepts, size limits, and errors that name the field that was wrong."""
 
 from __future__ import annotations
 
+import msgpack
 import pytest
 
 from pathways import wire
 from pathways.errors import WireFormatError
+from pathways.messages import Deliver, Fetch, Lending, decode_request
 
-DELIVER = {"key": 7, "src": 0, "shards": [[[0, 1024], [0, 512]]],
-           "direct": {"pid": 11, "host": 0, "lease": 3, "addrs": [4096], "channel": "\0h"}}
-
-
-def test_a_valid_message_round_trips():
-    msg = wire.decode(wire.encode("deliver", DELIVER), "deliver", "returned")
-    assert {k: msg[k] for k in DELIVER} == DELIVER
-    fetch = {"tenant": "t", "id": 1, "timeout": 2, "ready_only": False}  # msgpack sends a whole float as an int
-    assert wire.decode(wire.encode("fetch", fetch))["timeout"] == 2
+DELIVER = Deliver(7, 0, 1, (((0, 1024), (0, 512)),), direct=Lending(3, (4096,), "/tmp/x/host.sock"))
 
 
-@pytest.mark.parametrize("kind,body,error", [
-    ("deliver", dict(DELIVER, key=True), "deliver.key: expected int, got bool"),
-    ("deliver", dict(DELIVER, shards=[[[0, "8"]]]), r"deliver.shards\[0\]\[0\]\[1\]: expected int, got str"),
-    ("deliver", {k: v for k, v in DELIVER.items() if k != "src"}, "deliver: missing field 'src'"),
-    ("deliver", dict(DELIVER, direct=dict(DELIVER["direct"], addrs=[1, 2.5])),
+def body(msg: bytes) -> dict:
+    return {k: v for k, v in msgpack.unpackb(msg, raw=False).items() if k not in ("v", "kind")}
+
+
+def test_typed_messages_round_trip():
+    assert Deliver.from_wire(wire.decode(DELIVER.encode(), "deliver")) == DELIVER
+    fetch = wire.encode("fetch", {"id": 1, "timeout": 2, "ready_only": False})  # msgpack sends 2.0 as 2
+    assert Fetch.decode(fetch) == Fetch(1, 2.0, False)
+
+
+@pytest.mark.parametrize("kind,changes,error", [
+    ("deliver", {"key": True}, "deliver.key: expected int, got bool"),
+    ("deliver", {"shards": [[[0, "8"]]]}, r"deliver.shards\[0\]\[0\]\[1\]: expected int, got str"),
+    ("deliver", {"src": None}, "deliver.src: expected int, got NoneType"),
+    ("deliver", {"direct": {"lease": 3, "addrs": [1, 2.5], "channel": ""}},
      r"deliver.direct.addrs\[1\]: expected int, got float"),
-    ("call", {"tenant": "t", "client": 1, "template": b"", "base": 0, "inputs": [], "exes": {"e": 3}, "frees": []},
+    ("call", {"template": b"", "base": 0, "inputs": [], "exes": {"e": 3}, "frees": []},
      r"call.exes\['e'\]: expected bytes, got int"),
-    ("fetch", {"tenant": "t", "id": 1, "timeout": "soon", "ready_only": False},
-     "fetch.timeout: expected float, got str"),
+    ("fetch", {"id": 1, "timeout": "soon", "ready_only": False}, "fetch.timeout: expected float, got str"),
 ])
-def test_a_malformed_message_names_the_field(kind, body, error):
+def test_a_malformed_message_names_the_field(kind, changes, error):
+    base = body(DELIVER.encode()) if kind == "deliver" else {}
     with pytest.raises(WireFormatError, match=error):
-        wire.encode(kind, body)
+        wire.encode(kind, {**base, **changes})
 
 
-def test_template_ops_are_checked_by_their_kind():
-    op = {"op": "exec", "exe": "e", "slice": "s", "in": [], "out": [1], "in_specs": [[None, ["a", 3]]],
-          "out_specs": [], "name": "f"}
-    template = {"program": "p", "n_inputs": 0, "n_values": 2, "slices": {}, "ops": [op]}
-    with pytest.raises(WireFormatError, match=r"template.ops\[0\]\(exec\).in_specs\[0\]\[1\]: expected str, got list"):
-        wire.decode(wire.encode("template", template))
-    with pytest.raises(WireFormatError, match=r"template.ops\[0\]: unknown op 'jump'"):
-        wire.decode(wire.encode("template", dict(template, ops=[{"op": "jump"}])))
-    ok = dict(op, in_specs=[[None, ["a", "b"], "c"]])
-    assert wire.decode(wire.encode("template", dict(template, ops=[ok])))["ops"][0]["in_specs"] == ok["in_specs"]
+def test_a_missing_field_and_an_unknown_kind_are_named():
+    with pytest.raises(WireFormatError, match="deliver: missing field 'src'"):
+        wire.encode("deliver", {k: v for k, v in body(DELIVER.encode()).items() if k != "src"})
+    with pytest.raises(WireFormatError, match="unexpected message kind 'jump'"):
+        wire.decode(msgpack.packb({"v": wire.VERSION, "kind": "jump"}))
+    with pytest.raises(WireFormatError, match="expected one of: fetch"):
+        wire.decode(DELIVER.encode(), "fetch")
+
+
+def test_garbage_and_other_versions_are_refused():
+    for bad in (b"garbage", b"\x81\xa1v\x63", msgpack.packb([1, 2])):
+        with pytest.raises(WireFormatError):
+            decode_request(bad)
+    old = msgpack.packb({"v": 1, "kind": "free", "ids": []})
+    with pytest.raises(WireFormatError, match="unsupported wire version 1"):
+        decode_request(old)
+
+
+def test_sizes_have_ceilings(monkeypatch):
+    monkeypatch.setattr(wire, "MAX_MESSAGE_BYTES", 1000)
+    with pytest.raises(WireFormatError, match="over the limit of 1000"):
+        wire.decode(b"\x00" * 1001)
+    with pytest.raises(WireFormatError, match="undecodable"):  # a list announcing more items than allowed
+        wire.decode(b"\xdd" + (wire.MAX_ITEMS + 1).to_bytes(4, "big"))
+    with pytest.raises(WireFormatError, match="a finite number of seconds"):
+        Fetch.decode(wire.encode("fetch", {"id": 1, "timeout": float("inf"), "ready_only": False}))
+
+
+def test_a_kind_is_declared_once():
+    with pytest.raises(ValueError, match="declared twice"):
+        wire.register("fetch", {"id": int})

@@ -1,0 +1,106 @@
+"""Admission on host 0: each client's stream back in order, gaps skipped, each message checked in meaning."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import pathways as pw
+from pathways.messages import CLIENT_ID_BITS, Call, Free, Put
+from pathways.ops import Aval, Exec, Limits, SliceDesc, Template
+from resource_manager.admission import Admission
+from resource_manager.executables import ExecutableCache
+from resource_manager.grants import Grants
+
+LIMITS = Limits(0, 2, 1, 4, 1 << 30, 1 << 30)
+DESC = SliceDesc("s1", (2,), ("x",), ((0, 0), (0, 1)))
+CLIENT = 3
+
+
+def admission(gap_timeout: float = 60.0) -> Admission:
+    grants = Grants()
+    grants.add_session(CLIENT, "alice", b"k" * 32)
+    grants.grant("s1", "alice", DESC)
+    grants.grant("s2", "bob", SliceDesc("s2", (1,), ("x",), ((0, 2),)))
+    return Admission(LIMITS, grants, ExecutableCache(LIMITS), gap_timeout)
+
+
+def ids(k: int) -> int:
+    return (CLIENT << CLIENT_ID_BITS) + k
+
+
+def empty_call(k: int, **changes) -> bytes:
+    template = Template("p", 0, 1, {}, ())
+    fields = {"template": template.encode(), "base": ids(k), "inputs": (), "exes": {}, "frees": ()}
+    return Call(**{**fields, **changes}).encode()
+
+
+def test_a_batch_that_overtook_an_earlier_one_waits_for_it():
+    a = admission()
+    assert a.accept(CLIENT, "alice", 2, [(empty_call(20), None)]) == []
+    assert a.waiting() == 1
+    done = a.accept(CLIENT, "alice", 0, [(empty_call(0), None), (empty_call(10), None)])
+    assert [e.request.base for e in done] == [ids(0), ids(10), ids(20)] and a.waiting() == 0
+    with pytest.raises(pw.WireFormatError, match="a message is sent once"):
+        a.accept(CLIENT, "alice", 1, [(empty_call(30), None)])
+
+
+def test_a_gap_that_never_fills_is_skipped_after_its_timeout_or_when_the_client_is_revoked():
+    a = admission(gap_timeout=0.2)
+    assert a.accept(CLIENT, "alice", 5, [(empty_call(50), None)]) == []
+    assert a.expire() == []
+    time.sleep(0.3)
+    assert [e.request.base for e in a.expire()] == [ids(50)] and a.skipped == 5
+    a.accept(CLIENT, "alice", 9, [(empty_call(90), None)])
+    a.revoke(CLIENT)
+    assert a.waiting() == 0 and a.expire() == []
+
+
+@pytest.mark.parametrize("payload, error, words", [
+    (b"garbage", pw.WireFormatError, "undecodable"),
+    (empty_call(1, base=(7 << CLIENT_ID_BITS)), pw.TenantAccessError, "not one of your client's ids"),
+    (empty_call(1, inputs=(5,)), pw.ProgramError, "takes 0 inputs"),
+    (empty_call(1, template=Template("p", 0, 2, {"s2": SliceDesc("s2", (1,), ("x",), ((0, 2),))}, ()).encode()),
+     pw.TenantAccessError, "slice s2 on island 0 is not yours"),
+    (empty_call(1, template=Template("p", 0, 2, {"s1": DESC}, (Exec("cd" * 32, "s1", (), (1,), (), ((),), "f"),)
+                                     ).encode()), pw.ProgramError, "was never sent"),
+    (empty_call(1, exes={"ab" * 32: b"junk"}), pw.WireFormatError, "do not match their hash"),
+    (Put(ids(1), DESC, (), Aval((8,), "float32")).encode(), pw.WireFormatError, "object reference"),
+    (Put(ids(1), DESC, (), Aval((2**31, 2**31), "float32")).encode(), pw.ResourceError, "GiB"),
+    (Put(ids(1), DESC, ("y",), Aval((8,), "float32")).encode(), pw.ProgramError, "axes"),
+])
+def test_a_message_wrong_in_meaning_is_refused_alone_with_the_ids_it_would_have_made(payload, error, words):
+    a = admission()
+    done = a.accept(CLIENT, "alice", 0, [(payload, None), (empty_call(9), None)])
+    refused, fine = done
+    assert fine.refusal is None and fine.request.base == ids(9)
+    assert refused.refusal is not None and refused.refusal.kind == error.__name__, refused.refusal
+    assert words in refused.refusal.message or __import__("re").search(words, refused.refusal.message)
+    if refused.fail_hi:  # its outputs' ids fail, and never ids outside the sender's space
+        assert refused.fail_lo >> CLIENT_ID_BITS == CLIENT
+
+
+def test_frees_of_ids_outside_the_clients_space_are_dropped():
+    a = admission()
+    (entry,) = a.accept(CLIENT, "alice", 0, [(Free((ids(1), -4, 7 << CLIENT_ID_BITS)).encode(), None)])
+    assert entry.request.ids == (ids(1),)
+
+
+def test_an_executable_budget_refuses_what_would_go_over_it():
+    import jax
+    import jax.numpy as jnp
+
+    cache = ExecutableCache(LIMITS, blob_budget=10_000)
+    blobs = [bytes(jax.export.export(jax.jit(lambda v, k=k: jnp.sin(v) * k))(
+        jax.ShapeDtypeStruct((4,), np.float32)).serialize()) for k in range(1, 8)]
+    from resource_manager.executables import content_hash
+
+    with pytest.raises(pw.ResourceError, match="per-tenant budget"):
+        for blob in blobs:
+            cache.add("alice", content_hash(blob), blob)
+    assert cache.has("alice", content_hash(blobs[0])) and not cache.has("bob", content_hash(blobs[0]))
+    cache.add("bob", content_hash(blobs[0]), blobs[0])  # another tenant's budget is its own
+    cache.drop_tenant("alice")
+    assert not cache.has("alice", content_hash(blobs[0])) and cache.has("bob", content_hash(blobs[0]))

@@ -1,0 +1,205 @@
+"""A host's executor without Ray: dataflow, deferred frees, timeouts, parked receives, and dying loudly."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pathways as pw
+from client.jit import CompiledFunction
+from client.slices import VirtualSlice
+from pathways.events import EventLog
+from pathways.messages import Deliver
+from pathways.ops import Aval, Exec, Expect, Limits, Recv, SliceDesc, Template
+from resource_manager.buffer_pool import BufferPool
+from resource_manager.buffers import BufferTable, Failure
+from resource_manager.devices import LocalDevices
+from resource_manager.executables import ExecutableCache
+from resource_manager.executor import Executor, Report
+from resource_manager.handlers import Handlers
+from resource_manager.peers import Peers
+from resource_manager.receive import Receiver
+from resource_manager.run import Run
+
+DESC = SliceDesc("s1", (2,), ("x",), ((0, 0), (0, 1)))
+LIMITS = Limits(0, 2, 1, 4, 1 << 32, 1 << 32)
+TENANT = "t"
+
+
+class Host:
+    """The parts of one host, wired as resource_manager.host wires them, on this process's CPU devices."""
+
+    def __init__(self, strict: bool = False, op_timeout: float = 5.0) -> None:
+        self.cond = threading.Condition()
+        self.table = BufferTable(self.cond)
+        self.devices = LocalDevices(0)
+        self.exes = ExecutableCache(LIMITS)
+        self.peers = Peers(0, 0, "node", None, b"k" * 32)
+        self.receiver = Receiver(0, 0, self.table, BufferPool(), self.peers, self.cond, op_timeout, self.touch)
+        self.handlers = Handlers(0, 0, self.devices, self.table, self.exes, self.peers, BufferPool(), self.receiver,
+                                 EventLog(), op_timeout)
+        self.reports: list[Report] = []
+        self.executor = Executor(0, 0, strict, self.handlers, self.receiver, self.table, self.cond, op_timeout,
+                                 EventLog(), self.reports.append)
+        self.seq = 0
+
+    def touch(self) -> None:
+        with self.cond:
+            self.executor.touch()
+
+    def function(self, fn, n_inputs: int) -> str:
+        vs = VirtualSlice(None, {"key": "s1", "shape": [2], "axes": ["x"], "island": 0, "devices": [[0, 0], [0, 1]],
+                                 "tenant": TENANT})
+        exported = CompiledFunction(fn, vs, None, None).export(vs, (0.0,) * n_inputs, [((4,), np.dtype("float32"))]
+                                                               * n_inputs)
+        self.exes.add(TENANT, exported.exe, exported.blob)
+        return exported.exe
+
+    def value(self, buffer_id: int, x: np.ndarray) -> None:
+        self.table.put(buffer_id, TENANT, jax.device_put(x, self.devices.sharding(DESC, ())))
+
+    def run(self, template: Template, base: int, inputs: tuple[int, ...] = ()) -> Run:
+        run = Run(self.seq, TENANT, 1, template.program, template.ops, template, template.n_inputs, base, inputs)
+        self.seq += 1
+        with self.cond:
+            self.executor.admit(run)
+        return run
+
+    def fetch(self, buffer_id: int, timeout: float = 20.0) -> np.ndarray:
+        entry = self.table.wait(buffer_id, TENANT, timeout)
+        assert entry is not None, f"buffer {buffer_id} never came"
+        if isinstance(entry.value, Failure):
+            raise pw.errors.from_wire(entry.value.kind, entry.value.message)
+        return np.asarray(entry.value)
+
+
+def one(exe: str, name: str, inputs=(0,), outputs=(1,), n_inputs=1, frees=()) -> Template:
+    op = Exec(exe, "s1", inputs, outputs, ((),) * len(inputs), ((),) * len(outputs), name, frees)
+    return Template(name, n_inputs, max(outputs) + 1, {"s1": DESC}, (op,))
+
+
+@pytest.fixture
+def host():
+    h = Host()
+    yield h
+    h.executor.stop()
+
+
+def test_runs_flow_by_data_and_a_waiting_run_does_not_hold_up_the_next(host):
+    double = host.function(lambda v: v * 2.0, 1)
+    host.value(100, np.arange(4, dtype=np.float32))
+    waiting = host.run(one(double, "waits"), base=1000, inputs=(500,))  # its input comes later
+    host.run(one(double, "runs"), base=2000, inputs=(100,))
+    np.testing.assert_allclose(host.fetch(2001), [0, 2, 4, 6])
+    assert waiting.pc == 0
+    host.value(500, np.ones(4, np.float32))
+    np.testing.assert_allclose(host.fetch(1001), 2.0)
+
+
+def test_a_free_that_arrives_while_an_op_still_reads_the_buffer_waits_for_it(host):
+    slow = host.function(lambda v: jax.lax.fori_loop(0, 200, lambda i, a: jnp.tanh(a) + v, v), 1)
+    host.value(100, np.ones(4, np.float32))
+    host.run(one(slow, "slow"), base=1000, inputs=(100,))
+    host.table.free([100], TENANT)  # the client dropped its array: the run still reads it
+    out = host.fetch(1001)
+    assert np.isfinite(out).all() and 100 not in host.table
+
+
+def test_an_input_that_never_comes_fails_the_op_in_bounded_time():
+    host = Host(op_timeout=0.5)
+    double = host.function(lambda v: v * 2.0, 1)
+    host.run(one(double, "orphan"), base=1000, inputs=(404,))
+    start = time.monotonic()
+    with pytest.raises(pw.PathwaysError, match="a buffer it reads was never produced"):
+        host.fetch(1001)
+    assert time.monotonic() - start < 10
+    host.executor.stop()
+
+
+def test_a_failed_input_fails_its_consumers_with_the_same_error(host):
+    double = host.function(lambda v: v * 2.0, 1)
+    host.table.put(100, TENANT, Failure("ProgramError", "the producer failed"))
+    host.run(one(double, "consumer"), base=1000, inputs=(100,))
+    with pytest.raises(pw.ProgramError, match="the producer failed"):
+        host.fetch(1001)
+
+
+def test_a_dead_executor_fails_every_pending_and_future_wait(host):
+    double = host.function(lambda v: v * 2.0, 1)
+    real = host.handlers.run
+
+    def dying(run, op, final):
+        if run.label == "poison":
+            raise SystemExit("the loop is gone")
+        return real(run, op, final)
+
+    host.handlers.run = dying
+    host.value(100, np.ones(4, np.float32))
+    host.run(one(double, "waiting"), base=3000, inputs=(999,))
+    host.run(one(double, "poison"), base=1000, inputs=(100,))
+    with pytest.raises(pw.IslandFailedError, match="executor of island 0 host 0 died"):
+        host.fetch(3001)
+    assert host.executor.dead is not None
+    host.run(one(double, "later"), base=2000, inputs=(100,))
+    with pytest.raises(pw.IslandFailedError):
+        host.fetch(2001, timeout=0)
+
+
+def test_a_parked_receive_lets_the_order_move_on_and_resumes_with_its_data():
+    host = Host(strict=True)
+    inc = host.function(lambda v: v + 1.0, 1)
+    recv = Recv(1, "s1", (), Aval((4,), "float32"), 1, (Expect(0, 1, (0,)),))
+    use = Exec(inc, "s1", (1,), (2,), ((),), ((),), "inc")
+    receiving = host.run(Template("recv", 0, 3, {"s1": DESC}, (recv, use)), base=1000)
+    host.value(100, np.zeros(4, np.float32))
+    later = host.run(one(inc, "later"), base=2000, inputs=(100,))  # runs although the receive came first
+    reader = host.run(one(inc, "reader"), base=3000, inputs=(1002,))  # reads what the parked run will make
+    np.testing.assert_allclose(host.fetch(2001), 1.0)
+    assert receiving.parked and reader.parked and later.pc == 1
+    host.receiver.deliver(Deliver(1001, 1, 0, (((0, 4),),)), (np.full(4, 5.0, np.float32),), (1, 0))
+    deadline = time.monotonic() + 10
+    while not any(r.landed for r in host.reports) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [p for r in host.reports for p in r.landed] == [(receiving.seq, 0)]
+    with host.cond:
+        host.executor.resume(receiving.seq, 0)  # what the island's scheduler sends once every host has landed
+    np.testing.assert_allclose(host.fetch(1002), 6.0)
+    np.testing.assert_allclose(host.fetch(3001), 7.0)
+    host.executor.stop()
+
+
+def test_pieces_from_a_host_the_plan_does_not_name_are_refused(host):
+    recv = Recv(1, "s1", (), Aval((4,), "float32"), 1, (Expect(0, 1, (0,)),))
+    host.run(Template("recv", 0, 2, {"s1": DESC}, (recv,)), base=1000)
+    with host.cond:  # from island 0 (not the source the plan names): refused; then the right sender's
+        host.receiver.deliver(Deliver(1001, 0, 0, (((0, 4),),)), (np.full(4, 666.0, np.float32),), (0, 0))
+    with host.cond:
+        host.receiver.deliver(Deliver(1001, 1, 0, (((0, 4),),)), (np.zeros(4, np.float32),), (1, 0))
+    np.testing.assert_allclose(host.fetch(1001), 0.0)
+    assert host.receiver.refused == 1
+
+
+def test_pieces_for_a_receive_that_already_finished_go_straight_back():
+    given_back = []
+
+    class Recording(Peers):
+        def give_back(self, pieces):
+            given_back.extend(pieces)
+
+    host = Host(op_timeout=0.3)
+    host.receiver.peers = Recording(0, 0, "node", None, b"k" * 32)
+    recv = Recv(1, "s1", (), Aval((4,), "float32"), 1, (Expect(0, 1, (0,)),))
+    host.run(Template("recv", 0, 2, {"s1": DESC}, (recv,)), base=1000)
+    with pytest.raises(pw.IslandFailedError, match="waited"):
+        host.fetch(1001)
+    from resource_manager.direct import Lent
+    late = Lent(12345, 4096, ((0, 4),), (1, 0), 7, "")
+    with host.cond:
+        host.receiver.deliver(Deliver(1001, 1, 0, (((0, 4),),)), (late,), (1, 0))
+    assert given_back == [late] and 1001 not in host.receiver.mailbox
+    host.executor.stop()

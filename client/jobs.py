@@ -247,11 +247,16 @@ def check_port_free(port: int, what: str) -> None:
                            "--dashboard-port") from None
 
 
+class _SlowStart(Exception):
+    """Ray gave up on its own raylet: it allows it 30 s to register, which a busy machine can exceed."""
+
+
 def start_head(port: int, dashboard_port: int, num_cpus: int | None, timeout: float) -> tuple[str, int, str]:
     """Start ``ray start --head --block`` in its own process group with its own temp dir.
 
     Returns (GCS address, head pid, temp dir). Every auxiliary port is a fresh free one, so this
-    head never collides with another cluster on the same machine.
+    head never collides with another cluster on the same machine. A head whose raylet Ray gave up on
+    (too slow to register on a busy machine) is tried again while ``timeout`` allows.
     """
     check_port_free(port, "Ray")
     check_port_free(dashboard_port, "dashboard")
@@ -259,6 +264,18 @@ def start_head(port: int, dashboard_port: int, num_cpus: int | None, timeout: fl
         subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "get-auth-token", "--generate"],
                        check=True, capture_output=True, timeout=60)
         enable_token_auth()
+    deadline = time.monotonic() + timeout
+    for attempt in range(1, 4):
+        try:
+            return _start_head(port, dashboard_port, num_cpus, deadline)
+        except _SlowStart as exc:
+            if attempt == 3 or deadline - time.monotonic() < 45:
+                raise CliError(f"the Ray head did not start: {exc}") from None
+            print(f"the Ray head did not start ({exc}); trying again", file=sys.stderr, flush=True)
+    raise AssertionError("unreachable")
+
+
+def _start_head(port: int, dashboard_port: int, num_cpus: int | None, deadline: float) -> tuple[str, int, str]:
     temp_dir = tempfile.mkdtemp(prefix="pathways-ray-")  # short: Ray's socket paths live under it
     cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--disable-usage-stats",
            f"--temp-dir={temp_dir}", f"--port={port}", "--include-dashboard=true",
@@ -271,20 +288,28 @@ def start_head(port: int, dashboard_port: int, num_cpus: int | None, timeout: fl
     # never this process's tenant, credential or ticket.
     env = {k: v for k, v in os.environ.items() if k not in PRIVATE_ENV}
     env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = "0"
-    log = open(Path(temp_dir) / "head.log", "wb")  # noqa: SIM115 - the head writes it after we return
+    log_path = Path(temp_dir) / "head.log"
+    log = open(log_path, "wb")  # noqa: SIM115 - the head writes it after we return
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)
     log.close()
     address_file = Path(temp_dir) / "ray_current_cluster"  # Ray writes it once the head is up
-    deadline = time.monotonic() + timeout
     while not address_file.exists() or not address_file.read_text().strip():
         if proc.poll() is not None:
-            tail = (Path(temp_dir) / "head.log").read_text(errors="replace")[-2000:]
-            shutil.rmtree(temp_dir, ignore_errors=True)
-            raise CliError(f"`ray start --head` exited with {proc.returncode}:\n{tail}")
+            text = log_path.read_text(errors="replace")
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # whatever it started before it gave up
+            except ProcessLookupError:
+                pass
+            if "timed out during startup" in text:
+                shutil.rmtree(temp_dir, ignore_errors=True)
+                raise _SlowStart("Ray gave its raylet 30 s to register, and the machine is busy")
+            lines = [line.strip() for line in text.splitlines() if line.strip()]
+            raise CliError(f"`ray start --head` exited with {proc.returncode}: {lines[-1] if lines else 'no output'} "
+                           f"(its log: {log_path})")
         if time.monotonic() > deadline:
             stop_head(proc.pid, temp_dir)
-            raise CliError(f"the Ray head did not start within {timeout:.0f}s; see {temp_dir}/head.log")
+            raise CliError("the Ray head did not start in time (--timeout)")
         time.sleep(0.2)
     return address_file.read_text().strip(), proc.pid, temp_dir
 

@@ -31,6 +31,7 @@ from typing import Any
 
 from client import jobs
 from client.jobs import CliError, ClusterState
+from client.tables import clock, render_status, short, table
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -483,45 +484,6 @@ def _tenant_status(address: str, tenant: str, credential_file: str | None, timeo
         pw.shutdown()
 
 
-def render_status(st: Any, address: str, refusals: list[dict] | None = None) -> str:
-    """Islands, hosts, tenants as tables: every tenant by name in the admin's view (``refusals`` given), else
-    the tenant's own with everyone else as counts."""
-    from pathways.cluster import format_bytes
-
-    view = "whole cluster (admin)" if refusals is not None else "your tenant's view"
-    out = [f"cluster {address}: {st.topology}; {view}", ""]
-    rows = []
-    for isl in st.islands:
-        times = dict(isl.tenant_time_s)
-        if isl.others_time_s:
-            times["(others)"] = isl.others_time_s
-        total = sum(times.values())
-        share = ", ".join(f"{t} {100 * s / total:.0f}% ({s:.1f}s)" for t, s in sorted(times.items())) if total else "-"
-        alive = sum(h.alive for h in isl.hosts)
-        rows.append([isl.index, "healthy" if isl.healthy else f"FAILED: {isl.reason}", f"{alive}/{len(isl.hosts)}",
-                     sum(len(h.devices) for h in isl.hosts), isl.queue_depth, share])
-    out += [table(["ISLAND", "HEALTH", "HOSTS", "DEVICES", "QUEUE", "SHARE OF ISLAND TIME"], rows), ""]
-    rows = [[f"{isl.index}/{h.host}", h.node[:12], len(h.devices), "yes" if h.alive else "NO",
-             f"{h.buffers} ({format_bytes(h.buffer_bytes)})", h.compiles, h.cache_hits, h.queue_depth, h.completed,
-             f"{h.busy_s:.1f}s ({100 * h.busy_fraction:.0f}%)"]
-            for isl in st.islands for h in isl.hosts]
-    out += [table(["HOST", "NODE", "DEVICES", "ALIVE", "BUFFERS", "COMPILES", "HITS", "QUEUE", "DONE", "BUSY"],
-                  rows), ""]
-    slices: dict[str, list[str]] = {}
-    for a in st.allocations:
-        slices.setdefault(a["tenant"], []).append(f"{a['key']}{tuple(a['shape'])}@island{a['island']}")
-    rows = [[name, f"{info['weight']:g}", "-" if info.get("quota") is None else info["quota"], info["clients"],
-             info["devices"], ", ".join(slices.get(name, [])) or "-"] for name, info in sorted(st.tenants.items())]
-    out.append(table(["TENANT", "WEIGHT", "QUOTA", "CLIENTS", "DEVICES", "SLICES"], rows) if rows else "no tenants")
-    if refusals is None and st.others.get("tenants"):
-        out.append(f"other tenants: {st.others['tenants']}, holding {st.others.get('slices', 0)} slices "
-                   f"({st.others.get('devices', 0)} devices)")
-    for r in refusals or []:
-        out.append(f"refused at {_clock(r['at'])}: a second use of the ticket of job {r['job']}"
-                   + (f" (presented by job {r['by_job']})" if r.get("by_job") else ""))
-    return "\n".join(out)
-
-
 # -- jobs ------------------------------------------------------------------------------------------
 
 def _no_credential(tenant: str) -> str:
@@ -568,7 +530,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=2))
         return 0
     print(table(["ID", "TENANT", "STATUS", "START", "END", "ENTRYPOINT"],
-                [[r["id"], r["tenant"], r["status"], _clock(r["start"]), _clock(r["end"]), _short(r["entrypoint"], 48)]
+                [[r["id"], r["tenant"], r["status"], clock(r["start"]), clock(r["end"]), short(r["entrypoint"], 48)]
                  for r in rows]) if rows else "no jobs")
     return 0
 
@@ -604,22 +566,6 @@ def cmd_stop(args: argparse.Namespace) -> int:
     client.stop_job(args.job)
     print(f"job {args.job} {jobs.wait_job(client, args.job, args.timeout)}")
     return 0
-
-
-# -- formatting ------------------------------------------------------------------------------------
-
-def table(headers: list[str], rows: list[list[Any]]) -> str:
-    cells = [headers] + [[str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
-
-
-def _clock(t: float | None) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
-
-
-def _short(s: str, n: int) -> str:
-    return s if len(s) <= n else s[: n - 3] + "..."
 
 
 if __name__ == "__main__":

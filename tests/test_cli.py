@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from client import cli, jobs
+from client import cli, jobs, tables
 
 JOB_SCRIPT = textwrap.dedent("""
     import shutil, sys
@@ -341,7 +341,7 @@ def test_status_table():
                                                        "tenant": "bob", "devices": [[0, 0], [0, 1]]}],
                        tenants={"alice": {"weight": 1.0, "quota": None, "clients": 1, "devices": 0},
                                 "bob": {"weight": 3.0, "quota": 2, "clients": 1, "devices": 2}})
-    lines = cli.render_status(st, "127.0.0.1:6379", [{"at": 0.0, "job": "a-1", "by_job": "b-2"}]).splitlines()
+    lines = tables.render_status(st, "127.0.0.1:6379", [{"at": 0.0, "job": "a-1", "by_job": "b-2"}]).splitlines()
     assert lines[0].endswith("whole cluster (admin)")
     assert lines[3].split() == ["0", "healthy", "1/1", "2", "4", "alice", "25%", "(1.0s),", "bob", "75%", "(3.0s)"]
     assert lines[6].split() == ["0/0", "abcdef012345", "2", "yes", "3", "(3.0", "MiB)", "0", "0", "1", "0", "2.5s",
@@ -353,7 +353,7 @@ def test_status_table():
     mine = IslandStatus(0, True, "", [host], tenant_time_s={"alice": 1.0}, others_time_s=3.0)
     st = ClusterStatus(Topology(1, 1, 2), [mine], [], tenants={"alice": st.tenants["alice"]},
                        others={"slices": 1, "devices": 2, "tenants": 1})
-    lines = cli.render_status(st, "127.0.0.1:6379").splitlines()
+    lines = tables.render_status(st, "127.0.0.1:6379").splitlines()
     assert lines[0].endswith("your tenant's view") and "(others) 75% (3.0s), alice 25% (1.0s)" in lines[3]
     assert lines[-1] == "other tenants: 1, holding 1 slices (2 devices)" and "bob" not in "\n".join(lines)
 
@@ -415,7 +415,7 @@ def test_address_precedence(tmp_path, monkeypatch):
 
 
 def test_format_and_required_arguments():
-    assert cli.table(["A", "LONG"], [[1, "x"], ["wide", 2]]).splitlines() == ["A     LONG", "1     x", "wide  2"]
+    assert tables.table(["A", "LONG"], [[1, "x"], ["wide", 2]]).splitlines() == ["A     LONG", "1     x", "wide  2"]
     with pytest.raises(SystemExit):
         cli.parser().parse_args(["submit"])  # --tenant is required
     with pytest.raises(SystemExit):

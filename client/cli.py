@@ -173,7 +173,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         raise CliError(f"`pathways up` already runs a cluster at {reuse.address}; `pathways down` first")
     registry = args.registry or str((jobs.home() / jobs.REGISTRY_FILE).resolve())
     token, created = jobs.ensure_admin_credential()
-    _check_registry(registry, token)
+    _check_registry(registry, token, args.quota)
     head_pid = temp_dir = dashboard = None
     if reuse:
         address, head_pid, temp_dir, dashboard = reuse.address, reuse.head_pid, reuse.temp_dir, reuse.dashboard
@@ -216,13 +216,14 @@ def _runtime_runs(state: ClusterState) -> bool:
     return find_runtime() is not None
 
 
-def _check_registry(path: str, token: str) -> None:
+def _check_registry(path: str, token: str, quota: int | None = None) -> None:
     """Refuse a registry file on this machine that another admin credential wrote: the runtime would keep that
-    one, and this admin would be locked out of it."""
+    one, and this admin would be locked out of it. Say so when it keeps another default quota than --quota."""
     from pathways.auth import digest
 
     try:
-        owner = json.loads(Path(path).read_text()).get("admin")
+        data = json.loads(Path(path).read_text())
+        owner, kept = data.get("admin"), data.get("default_quota")
     except FileNotFoundError:
         return
     except (OSError, ValueError, AttributeError) as exc:
@@ -230,6 +231,9 @@ def _check_registry(path: str, token: str) -> None:
     if owner and owner != digest(token):
         raise CliError(f"the tenant registry {path} belongs to another admin credential than {jobs.admin_path()}: "
                        "put that admin.token back, or move the registry away to start with no tenants")
+    if quota is not None and kept != quota:
+        print(f"note: the tenant registry {path} keeps the default quota it was created with "
+              f"({'none' if kept is None else kept}); --quota applies to a new registry", flush=True)
 
 
 def _start_runtime(address: str, topology: Any, token: str, registry: str, quota: int | None,
@@ -275,7 +279,7 @@ def cmd_down(args: argparse.Namespace) -> int:
         print(f"the Ray head at {address} is already gone")
     else:
         removed = _remove_runtime(address, stop_jobs=ours is None)
-        print(f"removed the resource manager and islands ({len(removed)} actors)" if removed
+        print("removed the resource manager and its islands" if removed
               else f"no pathways runtime was running at {address}")
     if ours:
         took = jobs.stop_head(ours.head_pid, ours.temp_dir, args.timeout)

@@ -375,12 +375,15 @@ def test_secrets_are_readable_by_their_owner_only(tmp_path, monkeypatch):
         jobs.tenant_credential("alice", str(tmp_path / "missing"))
 
 
-def test_a_registry_of_another_admin_is_refused(tmp_path):
+def test_a_registry_of_another_admin_is_refused(tmp_path, capsys):
     from pathways.auth import digest
 
     registry = tmp_path / "registry.json"
-    registry.write_text(json.dumps({"admin": digest("old"), "tenants": []}))
+    registry.write_text(json.dumps({"admin": digest("old"), "default_quota": None, "tenants": []}))
     cli._check_registry(str(registry), "old")
+    assert capsys.readouterr().out == ""
+    cli._check_registry(str(registry), "old", quota=4)  # the registry keeps its own default quota: say so
+    assert "keeps the default quota it was created with (none)" in capsys.readouterr().out
     with pytest.raises(jobs.CliError, match="belongs to another admin credential"):
         cli._check_registry(str(registry), "new")
     cli._check_registry(str(tmp_path / "none.json"), "new")

@@ -549,7 +549,8 @@ def _own_job(args: argparse.Namespace, what: str) -> Any:
     admin = jobs.admin_credential(args.admin_credential_file)
     if admin is not None and (jobs.whoami(rm, "", admin) or {}).get("admin"):
         return client
-    found = jobs.tenant_credential(tenant, args.credential_file) if tenant else None
+    found = jobs.tenant_credential(tenant, args.credential_file) if tenant and jobs.TENANT_PATTERN.match(tenant) \
+        else None
     if found is not None and jobs.whoami(rm, tenant, found[0]) is not None:
         return client
     raise CliError(f"job {args.job} is not yours: `pathways {what}` acts only on jobs of a tenant whose credential "

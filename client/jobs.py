@@ -180,7 +180,7 @@ def admin_path() -> Path:
 
 
 def credential_path(tenant: str) -> Path:
-    return home() / "credentials" / tenant
+    return home() / "credentials" / check_tenant(tenant)  # a checked name never leaves that folder
 
 
 def admin_credential(file: str | None = None) -> str | None:

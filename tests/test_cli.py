@@ -373,6 +373,8 @@ def test_secrets_are_readable_by_their_owner_only(tmp_path, monkeypatch):
     assert jobs.tenant_credential("alice") == ("s3cret", str(jobs.credential_path("alice")))
     with pytest.raises(jobs.CliError, match="no such file"):
         jobs.tenant_credential("alice", str(tmp_path / "missing"))
+    with pytest.raises(jobs.CliError, match="tenant '../admin.token'"):  # a job's metadata names no file
+        jobs.credential_path("../admin.token")
 
 
 def test_a_registry_of_another_admin_is_refused(tmp_path, capsys):

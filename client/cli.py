@@ -1,39 +1,44 @@
-"""The ``pathways`` console command: start a shared cluster, submit tenants' jobs to it, watch it, stop it.
+"""The ``pathways`` console command: start a shared cluster, manage its tenants, submit their jobs, watch it.
 
-    pathways up [--islands N --hosts-per-island H --devices-per-host D] [--port P] [--address ADDR]
-    pathways status [--json]
-    pathways submit --tenant NAME [--weight W] -- python script.py ...
-    pathways jobs | pathways logs JOB [--follow] | pathways stop JOB
+    pathways up [--islands N --hosts-per-island H --devices-per-host D] [--port P] [--address ADDR] [--quota D]
+    pathways tenants add NAME --weight W [--quota DEVICES]
+    pathways tenants list [--json] | set NAME [--weight W] [--quota N | --no-quota] [--new-credential]
+    pathways tenants remove NAME
+    pathways submit --tenant NAME -- python script.py ...
+    pathways status [--json] | pathways jobs | pathways logs JOB [--follow] | pathways stop JOB
     pathways down
     pathways graph script.py:function [--out graph.svg]
 
-Every command talks to ``--address``, else ``RAY_ADDRESS``, else the cluster ``pathways up``
-recorded. Jobs go through Ray's job submission API; the runtime (resource manager and islands)
-lives in detached Ray actors, so it outlives the command that started it.
+Every command talks to ``--address``, else ``RAY_ADDRESS``, else the cluster ``pathways up`` recorded.
+``up`` creates the cluster's admin credential (``$PATHWAYS_HOME/admin.token``, readable by its owner
+only); the ``tenants`` commands need it. A tenant proves itself with the credential the admin issued
+it; ``submit`` exchanges that for a single-use ticket, and only the ticket goes to the job, because
+Ray's job API shows every job's entrypoint and environment to anyone. The runtime (resource manager
+and islands) lives in detached Ray actors, so it outlives the command that started it.
 """
 
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
-import logging
+import math
 import os
 import sys
 import time
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from client import jobs
 from client.jobs import CliError, ClusterState
-
-CLI_TENANT = "pathways-cli"  # the tenant this command registers as while it reads the cluster's state
+from client.tables import clock, render_status, short, table
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    jobs.enable_token_auth()  # before Ray is imported
     try:
+        if args.run is not cmd_graph:
+            jobs.enable_token_auth()
         return args.run(args) or 0
     except CliError as exc:
         print(f"pathways: error: {exc}", file=sys.stderr)
@@ -48,11 +53,18 @@ def main(argv: list[str] | None = None) -> int:
 def parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--address", help="Ray address host:port (default: RAY_ADDRESS, else `pathways up`'s)")
-    p = argparse.ArgumentParser(prog="pathways", description="Start a shared Pathways cluster on Ray, submit "
-                                "tenants' jobs to it, watch it, stop it.")
+    admin = argparse.ArgumentParser(add_help=False)
+    admin.add_argument("--admin-credential-file", metavar="FILE",
+                       help="the admin credential (default: $PATHWAYS_HOME/admin.token)")
+    tenant = argparse.ArgumentParser(add_help=False)
+    tenant.add_argument("--credential-file", metavar="FILE", help="the tenant's credential (default: "
+                        "PATHWAYS_CREDENTIAL, else $PATHWAYS_HOME/credentials/TENANT)")
+    p = argparse.ArgumentParser(prog="pathways", description="Start a shared Pathways cluster on Ray, manage its "
+                                "tenants, submit their jobs, watch it, stop it.")
     sub = p.add_subparsers(required=True, metavar="COMMAND")
 
-    up = sub.add_parser("up", parents=[common], help="start a Ray head (or join --address) and the islands")
+    up = sub.add_parser("up", parents=[common], help="start a Ray head (or join --address) and the islands; "
+                        "create the admin credential")
     up.add_argument("--islands", type=int, default=2)
     up.add_argument("--hosts-per-island", type=int, default=1)
     up.add_argument("--devices-per-host", type=int, default=4)
@@ -61,34 +73,64 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--dashboard-port", type=int, default=None, help="default: 8265 if free, else any free port")
     up.add_argument("--num-cpus", type=int, default=None, help="CPUs the head offers Ray (default: all)")
     up.add_argument("--quota", type=int, default=None, metavar="DEVICES",
-                    help="default per-tenant device quota (default: no quota)")
+                    help="device quota of tenants added without one (default: no quota)")
+    up.add_argument("--registry", metavar="PATH", help="the tenant registry file, a path on the head node "
+                    "(default: $PATHWAYS_HOME/registry.json); it outlives `pathways down`")
     up.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the cluster to start")
     up.set_defaults(run=cmd_up)
 
-    st = sub.add_parser("status", parents=[common], help="islands, hosts, tenants' slices, queues and time share")
-    st.add_argument("--json", action="store_true", help="print the whole ClusterStatus as JSON")
-    st.add_argument("--timeout", type=float, default=30.0)
-    st.set_defaults(run=cmd_status)
+    tn = sub.add_parser("tenants", help="the cluster admin's tenant registry: add, list, set, remove")
+    tsub = tn.add_subparsers(required=True, metavar="ACTION")
+    ta = tsub.add_parser("add", parents=[common, admin], help="register a tenant; prints its credential once")
+    ta.add_argument("name")
+    ta.add_argument("--weight", type=float, required=True, help="its share of island time, relative to others")
+    ta.add_argument("--quota", type=int, metavar="DEVICES", help="devices its slices may hold at once "
+                    "(default: the quota `pathways up --quota` set, else none)")
+    ta.set_defaults(run=cmd_tenants_add, action="add")
+    tl = tsub.add_parser("list", parents=[common, admin], help="tenants: weight, quota, clients, devices held")
+    tl.add_argument("--json", action="store_true")
+    tl.set_defaults(run=cmd_tenants_list, action="list")
+    ts = tsub.add_parser("set", parents=[common, admin], help="change a tenant's weight, quota or credential")
+    ts.add_argument("name")
+    ts.add_argument("--weight", type=float)
+    quota = ts.add_mutually_exclusive_group()
+    quota.add_argument("--quota", type=int, metavar="DEVICES")
+    quota.add_argument("--no-quota", action="store_true", help="no device quota")
+    ts.add_argument("--new-credential", action="store_true",
+                    help="issue a new credential (printed once); the old one stops working")
+    ts.set_defaults(run=cmd_tenants_set, action="set")
+    tr = tsub.add_parser("remove", parents=[common, admin], help="remove a tenant; its sessions end and what "
+                         "it held is reclaimed")
+    tr.add_argument("name")
+    tr.set_defaults(run=cmd_tenants_remove, action="remove")
 
-    sm = sub.add_parser("submit", parents=[common], help="submit `-- COMMAND...` as a Ray job of a tenant")
+    sm = sub.add_parser("submit", parents=[common, tenant], help="submit `-- COMMAND...` as a Ray job of a tenant")
     sm.add_argument("--tenant", required=True)
-    sm.add_argument("--weight", type=float, default=1.0, help="the tenant's share of island time (default 1)")
+    sm.add_argument("--weight", help=argparse.SUPPRESS)  # gone: refused with a message that says why
     sm.add_argument("--working-dir", default=".", help="shipped with the job; its cwd (default: .)")
     sm.add_argument("--wait", action="store_true", help="follow the logs; exit 0 only if the job succeeds")
     sm.add_argument("entrypoint", nargs=argparse.REMAINDER, help="-- python script.py ...")
     sm.set_defaults(run=cmd_submit)
+
+    st = sub.add_parser("status", parents=[common, admin, tenant], help="islands, hosts, slices, queues, shares: "
+                        "the whole cluster with the admin credential, else your tenant's view")
+    st.add_argument("--tenant", help="show this tenant's view (default: PATHWAYS_TENANT, when there is no admin "
+                    "credential)")
+    st.add_argument("--json", action="store_true", help="print the whole ClusterStatus as JSON")
+    st.add_argument("--timeout", type=float, default=30.0)
+    st.set_defaults(run=cmd_status)
 
     jb = sub.add_parser("jobs", parents=[common], help="list jobs: id, tenant, status, start, end")
     jb.add_argument("--tenant", help="only this tenant's jobs")
     jb.add_argument("--json", action="store_true")
     jb.set_defaults(run=cmd_jobs)
 
-    lg = sub.add_parser("logs", parents=[common], help="print a job's logs")
+    lg = sub.add_parser("logs", parents=[common, admin, tenant], help="print one of your jobs' logs")
     lg.add_argument("job")
     lg.add_argument("--follow", "-f", action="store_true", help="stream until the job ends")
     lg.set_defaults(run=cmd_logs)
 
-    sp = sub.add_parser("stop", parents=[common], help="stop a job")
+    sp = sub.add_parser("stop", parents=[common, admin, tenant], help="stop one of your jobs")
     sp.add_argument("job")
     sp.add_argument("--timeout", type=float, default=30.0)
     sp.set_defaults(run=cmd_stop)
@@ -123,12 +165,21 @@ def cmd_up(args: argparse.Namespace) -> int:
                                devices_per_host=args.devices_per_host, platform=args.platform)
     except ValueError as exc:
         raise CliError(str(exc)) from None
-    _quota_kwargs(args.quota)  # refuse a bad --quota before starting anything
+    if args.quota is not None and args.quota < 1:
+        raise CliError(f"--quota must be a positive number of devices, got {args.quota}")
     previous = jobs.load_state()
-    if previous and jobs.head_alive(previous):
-        raise CliError(f"`pathways up` already runs a cluster at {previous.address}; `pathways down` first")
+    reuse = previous if previous and jobs.head_alive(previous) else None
+    if reuse and (args.address and jobs.resolve_address(args.address) != reuse.address or _runtime_runs(reuse)):
+        raise CliError(f"`pathways up` already runs a cluster at {reuse.address}; `pathways down` first")
+    registry = args.registry or str((jobs.home() / jobs.REGISTRY_FILE).resolve())
+    token, created = jobs.ensure_admin_credential()
+    _check_registry(registry, token, args.quota)
     head_pid = temp_dir = dashboard = None
-    if args.address:
+    if reuse:
+        address, head_pid, temp_dir, dashboard = reuse.address, reuse.head_pid, reuse.temp_dir, reuse.dashboard
+        os.environ["RAY_ADDRESS"] = address
+        print(f"the Ray head `pathways up` started at {address} still runs; starting the runtime on it", flush=True)
+    elif args.address:
         address = jobs.resolve_address(args.address)
     else:
         dport = args.dashboard_port or (8265 if _port_free(8265) else jobs.free_port())
@@ -138,43 +189,78 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"Ray head started at {address} (dashboard {dashboard}, logs {temp_dir}) "
               f"in {time.monotonic() - t0:.1f}s", flush=True)
     try:
-        _start_runtime(address, topology, args.quota, args.timeout)
+        joined = _start_runtime(address, topology, token, registry, args.quota, args.timeout)
     except BaseException:
-        if head_pid is not None:
+        if head_pid is not None and not reuse:
             jobs.stop_head(head_pid, temp_dir)
         raise
     jobs.save_state(ClusterState(address, dashboard, head_pid, temp_dir, topology.to_wire(), time.time()))
     auth = " RAY_AUTH_MODE=token" if os.environ.get("RAY_AUTH_MODE") == "token" else ""
-    print(f"pathways cluster up in {time.monotonic() - t0:.1f}s: {topology}\n"
-          f"  attach from Python:  pw.init(address=\"{address}\")\n"
+    print(f"pathways cluster up in {time.monotonic() - t0:.1f}s: {topology}"
+          + (" (the runtime already ran there)" if joined else "") + "\n"
+          f"  admin credential:    {jobs.admin_path()} ({'created now, ' if created else ''}readable by you only: "
+          f"it manages tenants; keep it secret)\n"
+          f"  tenant registry:     {registry} (on the head node; kept across `pathways down` / `up`)\n"
+          f"  add a tenant:        pathways tenants add NAME --weight W [--quota DEVICES]\n"
+          f"  submit a job:        pathways submit --tenant NAME -- python script.py\n"
+          f"  attach from Python:  pw.init(address=\"{address}\", tenant=NAME)   (with NAME's credential)\n"
           f"  attach from a shell: export RAY_ADDRESS={address}{auth}\n"
-          f"  submit a job:        pathways submit --tenant NAME [--weight W] -- python script.py\n"
-          f"  watch / stop:        pathways status | pathways jobs | pathways down")
+          f"  watch / stop:        pathways status | pathways tenants list | pathways jobs | pathways down")
     return 0
 
 
-def _start_runtime(address: str, topology: Any, quota: int | None, timeout: float) -> None:
-    """pw.init creates the detached resource manager, which starts and owns the islands; they outlive us."""
-    import pathways as pw
+def _runtime_runs(state: ClusterState) -> bool:
+    from client.runtime import find_runtime
+
+    _connect(state.address)
+    return find_runtime() is not None
+
+
+def _check_registry(path: str, token: str, quota: int | None = None) -> None:
+    """Refuse a registry file on this machine that another admin credential wrote: the runtime would keep that
+    one, and this admin would be locked out of it. Say so when it keeps another default quota than --quota."""
+    from pathways.auth import digest
 
     try:
-        pw.init(topology=topology, address=address, tenant=CLI_TENANT,
-                timeouts=pw.Timeouts(start=timeout), **_quota_kwargs(quota))
-    except pw.PathwaysError as exc:
+        data = json.loads(Path(path).read_text())
+        owner, kept = data.get("admin"), data.get("default_quota")
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError, AttributeError) as exc:
+        raise CliError(f"the tenant registry {path} is unreadable ({exc}); fix or move it") from None
+    if owner and owner != digest(token):
+        raise CliError(f"the tenant registry {path} belongs to another admin credential than {jobs.admin_path()}: "
+                       "put that admin.token back, or move the registry away to start with no tenants")
+    if quota is not None and kept != quota:
+        print(f"note: the tenant registry {path} keeps the default quota it was created with "
+              f"({'none' if kept is None else kept}); --quota applies to a new registry", flush=True)
+
+
+def _start_runtime(address: str, topology: Any, token: str, registry: str, quota: int | None,
+                   timeout: float) -> bool:
+    """Create the resource manager (a detached actor that starts and owns the islands; they outlive us), unless
+    one runs already; check that it takes this admin credential. Returns whether one ran already."""
+    import ray
+
+    from client.runtime import find_runtime, start_runtime
+    from client.session import Timeouts
+    from pathways.auth import digest
+    from pathways.errors import PathwaysError
+
+    _connect(address)
+    existed = find_runtime() is not None
+    try:
+        rm = start_runtime(topology, Timeouts().op, timeout, digest(token), registry_path=registry,
+                           default_quota=quota)
+    except PathwaysError as exc:
         raise CliError(str(exc)) from None
-    pw.shutdown()  # only disconnects: this process did not start Ray
-
-
-def _quota_kwargs(quota: int | None) -> dict[str, Any]:
-    import pathways as pw
-
-    if quota is None:
-        return {}
-    if quota < 1:
-        raise CliError(f"--quota must be a positive number of devices, got {quota}")
-    if "default_quota" not in inspect.signature(pw.init).parameters:
-        raise CliError("this runtime cannot set a default quota at start yet (pw.init has no default_quota)")
-    return {"default_quota": quota}
+    who = jobs.whoami(rm, "", token)
+    ray.shutdown()
+    if not (who and who["admin"]):
+        raise CliError(f"the pathways runtime at {address} does not take the admin credential in "
+                       f"{jobs.admin_path()}: another admin started it (or its registry was written with "
+                       "another admin credential)")
+    return existed
 
 
 def _port_free(port: int) -> bool:
@@ -193,7 +279,7 @@ def cmd_down(args: argparse.Namespace) -> int:
         print(f"the Ray head at {address} is already gone")
     else:
         removed = _remove_runtime(address, stop_jobs=ours is None)
-        print(f"removed the resource manager and islands ({len(removed)} actors)" if removed
+        print("removed the resource manager and its islands" if removed
               else f"no pathways runtime was running at {address}")
     if ours:
         took = jobs.stop_head(ours.head_pid, ours.temp_dir, args.timeout)
@@ -202,6 +288,9 @@ def cmd_down(args: argparse.Namespace) -> int:
         print(f"left the Ray head at {address} running: `pathways up` did not start it")
     if state and state.address == address:
         jobs.clear_state()
+    registry = jobs.home() / jobs.REGISTRY_FILE
+    if registry.exists():
+        print(f"the tenant registry stays in {registry}: the next `pathways up` keeps its tenants")
     return 0
 
 
@@ -249,100 +338,183 @@ def _remove_runtime(address: str, stop_jobs: bool) -> list[str]:
 
 
 def _connect(address: str) -> None:
-    import ray
+    from client.runtime import connect
+    from pathways.errors import PathwaysError
 
-    from pathways.names import NAMESPACE
+    try:
+        connect(address)
+    except PathwaysError as exc:
+        raise CliError(str(exc)) from None
 
-    if not ray.is_initialized():
-        ray.init(address=address, namespace=NAMESPACE, logging_level=logging.WARNING, log_to_driver=False)
+
+# -- tenants (the admin's) -------------------------------------------------------------------------
+
+def _admin(args: argparse.Namespace) -> Any:
+    from client.admin import Admin
+
+    credential = jobs.need_admin_credential(args.admin_credential_file, f"`pathways tenants {args.action}`")
+    return Admin(jobs.runtime(jobs.resolve_address(args.address)), credential)
+
+
+def _as_admin(fn: Any, *a: Any, **kw: Any) -> Any:
+    """Run one admin operation; what the resource manager refuses becomes a one-line error."""
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    from pathways.errors import PathwaysError
+
+    try:
+        return fn(*a, **kw)
+    except PathwaysError as exc:
+        raise CliError(str(exc)) from None
+    except GetTimeoutError:
+        raise CliError("the resource manager did not answer in time") from None
+    except RayActorError:
+        raise CliError("the resource manager is gone; restart it with `pathways up`") from None
+
+
+def _check_weight(weight: float | None) -> None:
+    if weight is not None and not (math.isfinite(weight) and weight > 0):
+        raise CliError(f"--weight must be a positive number, got {weight:g}")
+
+
+def _check_quota(quota: int | None) -> None:
+    if quota is not None and quota < 0:
+        raise CliError(f"--quota must be a number of devices >= 0, got {quota}")
+
+
+def _tenant_line(t: dict) -> str:
+    return f"tenant {t['name']}: weight {t['weight']:g}, quota {'none' if t['quota'] is None else t['quota']}"
+
+
+def _show_credential(name: str, secret: str) -> None:
+    path = jobs.write_secret(jobs.credential_path(name), secret)
+    print(f"credential of {name} (shown only this once): {secret}\n"
+          f"  saved to {path} (readable by you only); there `pathways submit --tenant {name}` and "
+          f"pw.init(tenant=\"{name}\") find it.\n"
+          f"  Hand it to {name} over a private channel; on their machine they save it as "
+          f"$PATHWAYS_HOME/credentials/{name} (or set PATHWAYS_CREDENTIAL).")
+
+
+def cmd_tenants_add(args: argparse.Namespace) -> int:
+    jobs.check_tenant(args.name)
+    _check_weight(args.weight)
+    _check_quota(args.quota)
+    admin = _admin(args)
+    secret = _as_admin(admin.add_tenant, args.name, args.weight, args.quota)
+    (record,) = [t for t in _as_admin(admin.tenants) if t["name"] == args.name]
+    print(f"added {_tenant_line(record)}")
+    _show_credential(args.name, secret)
+    return 0
+
+
+def cmd_tenants_list(args: argparse.Namespace) -> int:
+    rows = _as_admin(_admin(args).tenants)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(table(["TENANT", "WEIGHT", "QUOTA", "CLIENTS", "DEVICES"],
+                [[t["name"], f"{t['weight']:g}", "-" if t["quota"] is None else t["quota"], t["clients"],
+                  t["devices"]] for t in rows]) if rows else "no tenants: add one with `pathways tenants add`")
+    return 0
+
+
+def cmd_tenants_set(args: argparse.Namespace) -> int:
+    if args.weight is None and args.quota is None and not args.no_quota and not args.new_credential:
+        raise CliError("nothing to change: pass --weight W, --quota DEVICES, --no-quota or --new-credential")
+    _check_weight(args.weight)
+    _check_quota(args.quota)
+    admin = _admin(args)
+    change: dict[str, Any] = {"weight": args.weight, "new_credential": args.new_credential}
+    if args.quota is not None or args.no_quota:
+        change["quota"] = args.quota
+    secret = _as_admin(admin.set_tenant, args.name, **change)
+    (record,) = [t for t in _as_admin(admin.tenants) if t["name"] == args.name]
+    print(f"changed {_tenant_line(record)}")
+    if secret:
+        _show_credential(args.name, secret)
+    return 0
+
+
+def cmd_tenants_remove(args: argparse.Namespace) -> int:
+    _as_admin(_admin(args).remove_tenant, args.name)
+    print(f"removed tenant {args.name}: its sessions ended and its slices and buffers were reclaimed")
+    path = jobs.credential_path(args.name)
+    if path.exists():
+        path.unlink()
+        print(f"  deleted its credential {path}")
+    return 0
 
 
 # -- status ----------------------------------------------------------------------------------------
 
 def cmd_status(args: argparse.Namespace) -> int:
+    admin_credential = None if args.tenant else jobs.admin_credential(args.admin_credential_file)
+    tenant = args.tenant or os.environ.get(jobs.TENANT_ENV)
+    if admin_credential is None and not tenant:
+        raise CliError(f"`pathways status` shows the whole cluster with the admin credential ({jobs.admin_path()} "
+                       "or --admin-credential-file), or one tenant's view: set PATHWAYS_TENANT (or pass --tenant) "
+                       "and hold its credential")
     address = jobs.resolve_address(args.address)
-    import ray
+    rm = jobs.runtime(address)
+    if admin_credential is not None:
+        from client.admin import Admin
+        from client.status import admin_status
 
+        admin = Admin(rm, admin_credential, timeout=args.timeout)
+        snapshot = _as_admin(admin_status, admin, args.timeout)
+        refusals = _as_admin(admin.state).get("refusals", [])
+    else:
+        snapshot, refusals = _tenant_status(address, tenant, args.credential_file, args.timeout), None
+    if args.json:
+        print(json.dumps({**asdict(snapshot), "view": "admin" if refusals is not None else f"tenant {tenant}",
+                          **({"refusals": refusals} if refusals is not None else {})}, indent=2, default=str))
+    else:
+        print(render_status(snapshot, address, refusals))
+    return 0
+
+
+def _tenant_status(address: str, tenant: str, credential_file: str | None, timeout: float) -> Any:
     import pathways as pw
-    from pathways.names import NAMESPACE, RESOURCE_MANAGER
 
-    _connect(address)
+    found = jobs.tenant_credential(jobs.check_tenant(tenant), credential_file)
+    if found is None:
+        raise CliError(_no_credential(tenant))
     try:
-        ray.get_actor(RESOURCE_MANAGER, namespace=NAMESPACE)
-    except ValueError:
-        raise CliError(f"no pathways runtime at {address}: run `pathways up`") from None
-    try:
-        pw.init(address=address, tenant=CLI_TENANT)
-        snapshot = pw.status(timeout=args.timeout)
+        pw.init(address=address, tenant=tenant, credential=found[0])
+        return pw.status(timeout=timeout)
     except pw.PathwaysError as exc:
         raise CliError(str(exc)) from None
     finally:
         pw.shutdown()
-    if args.json:
-        print(json.dumps(asdict(snapshot), indent=2, default=str))
-    else:
-        print(render_status(snapshot, address))
-    return 0
-
-
-def render_status(st: Any, address: str) -> str:
-    """Islands, hosts, tenants as tables. Fields the runtime does not report yet show as '-'."""
-    out = [f"cluster {address}: {st.topology}", ""]
-    rows = []
-    for isl in st.islands:
-        times = getattr(isl, "tenant_time_s", None) or {}
-        total = sum(times.values())
-        share = ", ".join(f"{t} {100 * s / total:.0f}% ({s:.1f}s)" for t, s in sorted(times.items())) if total else "-"
-        alive = sum(h.alive for h in isl.hosts)
-        rows.append([isl.index, "healthy" if isl.healthy else f"FAILED: {isl.reason}", f"{alive}/{len(isl.hosts)}",
-                     sum(len(h.devices) for h in isl.hosts), getattr(isl, "queue_depth", "-"), share])
-    out += [table(["ISLAND", "HEALTH", "HOSTS", "DEVICES", "QUEUE", "SHARE OF ISLAND TIME"], rows), ""]
-    rows = [[f"{isl.index}/{h.host}", h.node[:12], len(h.devices), "yes" if h.alive else "NO",
-             f"{h.buffers} ({_bytes(h.buffer_bytes)})", h.compiles, h.cache_hits, h.queue_depth, h.completed,
-             f"{h.busy_s:.1f}s ({100 * getattr(h, 'busy_fraction', 0.0):.0f}%)"]
-            for isl in st.islands for h in isl.hosts]
-    out += [table(["HOST", "NODE", "DEVICES", "ALIVE", "BUFFERS", "COMPILES", "HITS", "QUEUE", "DONE", "BUSY"],
-                  rows), ""]
-    slices = _slices_by_tenant(st)
-    rows = [[name, info.get("weight", "-"), info.get("quota") or "-", info.get("clients", "-"),
-             info.get("devices", "-"), ", ".join(slices.get(name, [])) or "-"]
-            for name, info in sorted(tenants(st).items()) if name != CLI_TENANT]
-    out.append(table(["TENANT", "WEIGHT", "QUOTA", "CLIENTS", "DEVICES", "SLICES"], rows) if rows else "no tenants")
-    return "\n".join(out)
-
-
-def tenants(st: Any) -> dict[str, dict]:
-    """``ClusterStatus.tenants`` when the runtime reports it; else rebuilt from clients and allocations."""
-    reported = getattr(st, "tenants", None)
-    if reported:
-        return reported
-    out: dict[str, dict] = {}
-    for c in (getattr(st, "clients", None) or {}).values():
-        t = out.setdefault(c["tenant"], {"weight": c.get("weight", 1.0), "clients": 0, "devices": 0})
-        t["clients"] += 1
-    for a in st.allocations:
-        out.setdefault(a["tenant"], {"clients": 0, "devices": 0})["devices"] += len(a["devices"])
-    return out
-
-
-def _slices_by_tenant(st: Any) -> dict[str, list[str]]:
-    out: dict[str, list[str]] = {}
-    for a in st.allocations:
-        out.setdefault(a["tenant"], []).append(f"{a['key']}{tuple(a['shape'])}@island{a['island']}")
-    return out
 
 
 # -- jobs ------------------------------------------------------------------------------------------
 
+def _no_credential(tenant: str) -> str:
+    return (f"no credential for tenant {tenant!r}: pass --credential-file FILE, set PATHWAYS_CREDENTIAL, or save "
+            f"it as {jobs.credential_path(tenant)} (the cluster's admin issues it: `pathways tenants add`)")
+
+
 def cmd_submit(args: argparse.Namespace) -> int:
+    if args.weight is not None:
+        raise CliError("submit takes no --weight: a tenant's weight is the cluster admin's to set "
+                       "(`pathways tenants set NAME --weight W`)")
     entrypoint = args.entrypoint[1:] if args.entrypoint[:1] == ["--"] else args.entrypoint
-    jobs.check_tenant(args.tenant, args.weight)
+    tenant = jobs.check_tenant(args.tenant)
     if not entrypoint:
         raise CliError("nothing to run: put the command after `--`, e.g. pathways submit --tenant a -- python x.py")
+    working_dir = os.path.abspath(args.working_dir)
+    if not Path(working_dir).is_dir():
+        raise CliError(f"working directory {args.working_dir!r} does not exist")
+    found = jobs.tenant_credential(tenant, args.credential_file)
+    if found is None:
+        raise CliError(_no_credential(tenant))
     address = jobs.resolve_address(args.address)
+    job_id = jobs.new_submission_id(tenant)
+    ticket = jobs.issue_ticket(jobs.runtime(address), tenant, found[0], job_id)
     client = jobs.job_client()
-    job_id = jobs.submit(client, args.tenant, args.weight, entrypoint, os.path.abspath(args.working_dir))
-    print(f"submitted {job_id} (tenant {args.tenant}, weight {args.weight:g}) to {address}", flush=True)
+    jobs.submit(client, tenant, ticket, entrypoint, working_dir, job_id)
+    print(f"submitted {job_id} (tenant {tenant}) to {address}", flush=True)
     if not args.wait:
         print(f"  follow it: pathways logs {job_id} --follow")
         return 0
@@ -361,16 +533,32 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    print(table(["ID", "TENANT", "WEIGHT", "STATUS", "START", "END", "ENTRYPOINT"],
-                [[r["id"], r["tenant"], r["weight"], r["status"], _clock(r["start"]), _clock(r["end"]),
-                  _short(r["entrypoint"], 48)] for r in rows]) if rows else "no jobs")
+    print(table(["ID", "TENANT", "STATUS", "START", "END", "ENTRYPOINT"],
+                [[r["id"], r["tenant"], r["status"], clock(r["start"]), clock(r["end"]), short(r["entrypoint"], 48)]
+                 for r in rows]) if rows else "no jobs")
     return 0
 
 
-def cmd_logs(args: argparse.Namespace) -> int:
-    jobs.resolve_address(args.address)
+def _own_job(args: argparse.Namespace, what: str) -> Any:
+    """The job client, once the caller has shown it may act on ``args.job``: it holds the admin credential, or
+    the credential of the tenant that submitted the job (the resource manager checks either)."""
+    address = jobs.resolve_address(args.address)
     client = jobs.job_client()
-    jobs.known_job(client, args.job)
+    tenant = jobs.job_tenant(client, args.job)
+    rm = jobs.runtime(address)
+    admin = jobs.admin_credential(args.admin_credential_file)
+    if admin is not None and (jobs.whoami(rm, "", admin) or {}).get("admin"):
+        return client
+    found = jobs.tenant_credential(tenant, args.credential_file) if tenant and jobs.TENANT_PATTERN.match(tenant) \
+        else None
+    if found is not None and jobs.whoami(rm, tenant, found[0]) is not None:
+        return client
+    raise CliError(f"job {args.job} is not yours: `pathways {what}` acts only on jobs of a tenant whose credential "
+                   "you hold, or on any job with the cluster's admin credential")
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    client = _own_job(args, "logs")
     if args.follow:
         jobs.follow_logs(client, args.job, lambda s: print(s, end="", flush=True))
     else:
@@ -379,36 +567,10 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    jobs.resolve_address(args.address)
-    client = jobs.job_client()
-    jobs.known_job(client, args.job)
+    client = _own_job(args, "stop")
     client.stop_job(args.job)
     print(f"job {args.job} {jobs.wait_job(client, args.job, args.timeout)}")
     return 0
-
-
-# -- formatting ------------------------------------------------------------------------------------
-
-def table(headers: list[str], rows: list[list[Any]]) -> str:
-    cells = [headers] + [[str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
-
-
-def _clock(t: float | None) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
-
-
-def _short(s: str, n: int) -> str:
-    return s if len(s) <= n else s[: n - 3] + "..."
-
-
-def _bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 if __name__ == "__main__":

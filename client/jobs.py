@@ -1,10 +1,17 @@
 """What the ``pathways`` command does to Ray: the head ``pathways up`` starts, the state file that
-remembers it, and tenants' jobs through Ray's job submission API.
+remembers it, the secrets it keeps, and tenants' jobs through Ray's job submission API.
 
-The state file (``$PATHWAYS_HOME/cluster.json``, default ``~/.pathways``) records the address and,
-only when ``up`` started the head itself, that head's process id and temp dir, so ``down`` stops
-exactly that head and never another engineer's Ray. Nothing here imports JAX: ``jobs``, ``logs``,
-``stop`` and ``submit`` stay quick.
+Everything lives under ``$PATHWAYS_HOME`` (default ``~/.pathways``):
+
+- ``cluster.json``: the address and, only when ``up`` started the head itself, that head's process
+  id and temp dir, so ``down`` stops exactly that head and never another engineer's Ray;
+- ``admin.token``: the cluster admin's credential (``pathways up`` creates it), owner-only;
+- ``credentials/NAME``: a tenant's credential (``pathways tenants add`` writes it), owner-only;
+- ``registry.json``: the tenant registry the resource manager keeps (digests only), by default.
+
+A job never receives a long-lived credential: Ray's job API shows every job's entrypoint, metadata
+and environment to anyone who can reach it. ``submit`` hands the job a single-use ticket instead.
+The module itself imports neither Ray nor JAX; the functions that talk to the runtime import them.
 """
 
 from __future__ import annotations
@@ -28,10 +35,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+# The names client.session reads (kept here too so that this module stays free of Ray and JAX).
 TENANT_ENV = "PATHWAYS_TENANT"
-WEIGHT_ENV = "PATHWAYS_WEIGHT"
+CREDENTIAL_ENV = "PATHWAYS_CREDENTIAL"
+TICKET_ENV = "PATHWAYS_TICKET"
+HOME_ENV = "PATHWAYS_HOME"
+ADMIN_FILE = "admin.token"
+REGISTRY_FILE = "registry.json"
 META_TENANT = "pathways.tenant"
-META_WEIGHT = "pathways.weight"
+# Never passed on to the Ray head (and so to every job): one process's identity is not every job's.
+PRIVATE_ENV = (TENANT_ENV, CREDENTIAL_ENV, TICKET_ENV, "RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")
+PYTHON_NAMES = {"python", "python3", f"python3.{sys.version_info.minor}"}
 TENANT_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 # Never shipped with a job's working directory: version control, caches, environments, build output.
 EXCLUDES = [".git", "**/__pycache__", "*.egg-info", ".venv", "venv", ".pytest_cache", ".ruff_cache",
@@ -60,9 +74,13 @@ class ClusterState:
 
 # -- state file ------------------------------------------------------------------------------------
 
+def home() -> Path:
+    """``$PATHWAYS_HOME``, default ``~/.pathways`` (the same place as ``client.session.home()``)."""
+    return Path(os.environ.get(HOME_ENV) or Path.home() / ".pathways")
+
+
 def state_path() -> Path:
-    home = os.environ.get("PATHWAYS_HOME")
-    return (Path(home) if home else Path.home() / ".pathways") / "cluster.json"
+    return home() / "cluster.json"
 
 
 def load_state() -> ClusterState | None:
@@ -110,10 +128,106 @@ def token_available() -> bool:
 
 
 def enable_token_auth() -> None:
-    """Use the local Ray token when there is one. Ray enables it by itself only for address="auto";
-    an explicit address (ours always is) needs RAY_AUTH_MODE=token. Must run before Ray is imported."""
-    if "RAY_AUTH_MODE" not in os.environ and token_available():
-        os.environ["RAY_AUTH_MODE"] = "token"
+    """Use the local Ray token when there is one, for this process and its children.
+
+    Ray 2.60 clusters require token authentication, but Ray turns it on by itself only in a process
+    that starts a cluster (or for address="auto"); a process that attaches to an explicit address
+    must opt in, or the GCS and the job API refuse it. Ray's own helper also refreshes Ray's cached
+    config, so this works after Ray is imported too. A Ray without token authentication: no-op."""
+    try:
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+    except ImportError:
+        return
+    # Ray warns "Token authentication is enabled" each time it opts in; it is what we asked for.
+    quiet = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    finally:
+        quiet.setLevel(level)
+
+
+# -- secrets ---------------------------------------------------------------------------------------
+
+def write_secret(path: Path, secret: str) -> Path:
+    """Write ``secret`` to ``path``, readable by its owner only (file 0600, folder 0700), atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(path.parent, 0o700)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def read_secret(path: Path | str) -> str | None:
+    """The secret in ``path``; None if there is no such file; CliError if it is there but unreadable."""
+    path = Path(path).expanduser()
+    try:
+        return path.read_text().strip() or None
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise CliError(f"cannot read {path}: {exc.strerror}") from None
+
+
+def admin_path() -> Path:
+    return home() / ADMIN_FILE
+
+
+def credential_path(tenant: str) -> Path:
+    return home() / "credentials" / check_tenant(tenant)  # a checked name never leaves that folder
+
+
+def admin_credential(file: str | None = None) -> str | None:
+    """The admin credential: from ``file`` (which must exist), else ``$PATHWAYS_HOME/admin.token``, else None."""
+    if file:
+        secret = read_secret(file)
+        if secret is None:
+            raise CliError(f"--admin-credential-file {file}: no such file (or it is empty)")
+        return secret
+    return read_secret(admin_path())
+
+
+def need_admin_credential(file: str | None, what: str) -> str:
+    secret = admin_credential(file)
+    if secret is None:
+        raise CliError(f"{what} needs the cluster's admin credential: {admin_path()} does not exist (`pathways up` "
+                       "writes it for the admin who ran it); pass --admin-credential-file FILE")
+    return secret
+
+
+def ensure_admin_credential() -> tuple[str, bool]:
+    """The admin credential of this ``$PATHWAYS_HOME``, created (owner-only) if there is none yet; and whether
+    it was created now."""
+    from pathways.auth import new_secret
+
+    secret = read_secret(admin_path())
+    if secret is not None:
+        os.chmod(admin_path(), 0o600)  # whoever loosened it: readable by its owner only
+        return secret, False
+    secret = new_secret()
+    write_secret(admin_path(), secret)
+    return secret, True
+
+
+def tenant_credential(tenant: str, file: str | None = None) -> tuple[str, str] | None:
+    """A tenant's credential and where it came from: ``file`` (which must exist), else PATHWAYS_CREDENTIAL,
+    else ``$PATHWAYS_HOME/credentials/TENANT``; None if none of them has one."""
+    if file:
+        secret = read_secret(file)
+        if secret is None:
+            raise CliError(f"--credential-file {file}: no such file (or it is empty)")
+        return secret, file
+    if os.environ.get(CREDENTIAL_ENV):
+        return os.environ[CREDENTIAL_ENV].strip(), CREDENTIAL_ENV
+    path = credential_path(tenant)
+    secret = read_secret(path)
+    return (secret, str(path)) if secret else None
 
 
 # -- the head --------------------------------------------------------------------------------------
@@ -133,18 +247,35 @@ def check_port_free(port: int, what: str) -> None:
                            "--dashboard-port") from None
 
 
+class _SlowStart(Exception):
+    """Ray gave up on its own raylet: it allows it 30 s to register, which a busy machine can exceed."""
+
+
 def start_head(port: int, dashboard_port: int, num_cpus: int | None, timeout: float) -> tuple[str, int, str]:
     """Start ``ray start --head --block`` in its own process group with its own temp dir.
 
     Returns (GCS address, head pid, temp dir). Every auxiliary port is a fresh free one, so this
-    head never collides with another cluster on the same machine.
+    head never collides with another cluster on the same machine. A head whose raylet Ray gave up on
+    (too slow to register on a busy machine) is tried again while ``timeout`` allows.
     """
     check_port_free(port, "Ray")
     check_port_free(dashboard_port, "dashboard")
     if os.environ.get("RAY_AUTH_MODE", "").lower() != "disabled" and not token_available():
         subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "get-auth-token", "--generate"],
                        check=True, capture_output=True, timeout=60)
-        os.environ.setdefault("RAY_AUTH_MODE", "token")
+        enable_token_auth()
+    deadline = time.monotonic() + timeout
+    for attempt in range(1, 4):
+        try:
+            return _start_head(port, dashboard_port, num_cpus, deadline)
+        except _SlowStart as exc:
+            if attempt == 3 or deadline - time.monotonic() < 45:
+                raise CliError(f"the Ray head did not start: {exc}") from None
+            print(f"the Ray head did not start ({exc}); trying again", file=sys.stderr, flush=True)
+    raise AssertionError("unreachable")
+
+
+def _start_head(port: int, dashboard_port: int, num_cpus: int | None, deadline: float) -> tuple[str, int, str]:
     temp_dir = tempfile.mkdtemp(prefix="pathways-ray-")  # short: Ray's socket paths live under it
     cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--disable-usage-stats",
            f"--temp-dir={temp_dir}", f"--port={port}", "--include-dashboard=true",
@@ -153,22 +284,32 @@ def start_head(port: int, dashboard_port: int, num_cpus: int | None, timeout: fl
            f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}"]
     if num_cpus is not None:
         cmd.append(f"--num-cpus={num_cpus}")
-    # Without this, SIGTERM first drains the node for up to 30 s.
-    env = {**os.environ, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
-    log = open(Path(temp_dir) / "head.log", "wb")  # noqa: SIM115 - the head writes it after we return
+    # Without this, SIGTERM first drains the node for up to 30 s. Every job inherits the head's environment:
+    # never this process's tenant, credential or ticket.
+    env = {k: v for k, v in os.environ.items() if k not in PRIVATE_ENV}
+    env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = "0"
+    log_path = Path(temp_dir) / "head.log"
+    log = open(log_path, "wb")  # noqa: SIM115 - the head writes it after we return
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)
     log.close()
     address_file = Path(temp_dir) / "ray_current_cluster"  # Ray writes it once the head is up
-    deadline = time.monotonic() + timeout
     while not address_file.exists() or not address_file.read_text().strip():
         if proc.poll() is not None:
-            tail = (Path(temp_dir) / "head.log").read_text(errors="replace")[-2000:]
-            shutil.rmtree(temp_dir, ignore_errors=True)
-            raise CliError(f"`ray start --head` exited with {proc.returncode}:\n{tail}")
+            text = log_path.read_text(errors="replace")
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # whatever it started before it gave up
+            except ProcessLookupError:
+                pass
+            if "timed out during startup" in text:
+                shutil.rmtree(temp_dir, ignore_errors=True)
+                raise _SlowStart("Ray gave its raylet 30 s to register, and the machine is busy")
+            lines = [line.strip() for line in text.splitlines() if line.strip()]
+            raise CliError(f"`ray start --head` exited with {proc.returncode}: {lines[-1] if lines else 'no output'} "
+                           f"(its log: {log_path})")
         if time.monotonic() > deadline:
             stop_head(proc.pid, temp_dir)
-            raise CliError(f"the Ray head did not start within {timeout:.0f}s; see {temp_dir}/head.log")
+            raise CliError("the Ray head did not start in time (--timeout)")
         time.sleep(0.2)
     return address_file.read_text().strip(), proc.pid, temp_dir
 
@@ -231,30 +372,49 @@ def job_client(timeout: float = 60.0) -> Any:
             time.sleep(1.0)
 
 
-def check_tenant(tenant: str, weight: float) -> None:
+def check_tenant(tenant: str) -> str:
     if not TENANT_PATTERN.match(tenant):
         raise CliError(f"tenant {tenant!r}: use 1-63 letters, digits, '.', '_' or '-', starting with a letter "
                        "or digit")
-    if not weight > 0:
-        raise CliError(f"weight must be positive, got {weight}")
+    return tenant
 
 
-def submit(client: Any, tenant: str, weight: float, entrypoint: list[str], working_dir: str) -> str:
-    """Submit ``entrypoint`` as a Ray job of ``tenant``; returns the submission id (it names the tenant).
+def new_submission_id(tenant: str) -> str:
+    """A job's submission id: it names the tenant, the time, and 6 random hex digits."""
+    return f"{check_tenant(tenant)}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
 
-    The job runs in a copy of ``working_dir`` (so ``python script.py`` resolves) and learns its
-    tenant from PATHWAYS_TENANT / PATHWAYS_WEIGHT, which ``pw.init()`` reads.
+
+def with_our_python(entrypoint: list[str]) -> list[str]:
+    """``entrypoint`` with a leading ``python``/``python3`` replaced by this process's interpreter, so the job
+    runs in the submitter's environment even when its venv is not activated (the job's shell would find the
+    ``python`` on the head's PATH)."""
+    if entrypoint and entrypoint[0] in PYTHON_NAMES:
+        return [sys.executable, *entrypoint[1:]]
+    return list(entrypoint)
+
+
+def submit(client: Any, tenant: str, ticket: str, entrypoint: list[str], working_dir: str,
+           submission_id: str) -> str:
+    """Submit ``entrypoint`` as Ray job ``submission_id`` of ``tenant``; returns the submission id.
+
+    The job runs in a copy of ``working_dir`` (so ``python script.py`` resolves), with this process's
+    Python (``with_our_python``, and its folder first on PATH). It receives only ``ticket``
+    (PATHWAYS_TICKET), which its ``pw.init()`` exchanges for a session once; PATHWAYS_TENANT is there
+    for display. Everything here is public on Ray's job API: never put a credential in it.
     """
-    check_tenant(tenant, weight)
+    check_tenant(tenant)
     if not entrypoint:
         raise CliError("nothing to run: no command given")
     if not Path(working_dir).is_dir():
         raise CliError(f"working directory {working_dir!r} does not exist")
-    submission_id = f"{tenant}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
-    runtime_env = {"working_dir": working_dir, "excludes": EXCLUDES,
-                   "env_vars": {TENANT_ENV: tenant, WEIGHT_ENV: repr(float(weight)), "PYTHONUNBUFFERED": "1"}}
-    return client.submit_job(entrypoint=shlex.join(entrypoint), submission_id=submission_id,
-                             runtime_env=runtime_env, metadata={META_TENANT: tenant, META_WEIGHT: repr(weight)})
+    env_vars = {TENANT_ENV: tenant, TICKET_ENV: ticket, "PYTHONUNBUFFERED": "1",
+                "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}${{PATH}}",  # Ray expands ${PATH}
+                # What the job's session reports as its job (a refused ticket is logged with it); Ray itself
+                # does not set this variable in a job's driver.
+                "RAY_JOB_SUBMISSION_ID": submission_id}
+    runtime_env = {"working_dir": working_dir, "excludes": EXCLUDES, "env_vars": env_vars}
+    return client.submit_job(entrypoint=shlex.join(with_our_python(entrypoint)), submission_id=submission_id,
+                             runtime_env=runtime_env, metadata={META_TENANT: tenant})
 
 
 def job_rows(client: Any) -> list[dict]:
@@ -264,8 +424,7 @@ def job_rows(client: Any) -> list[dict]:
         if not job.submission_id:  # a plain driver (ray.init), not a submitted job
             continue
         meta = job.metadata or {}
-        rows.append({"id": job.submission_id, "tenant": meta.get(META_TENANT, "-"),
-                     "weight": meta.get(META_WEIGHT, "-"), "status": str(job.status.value),
+        rows.append({"id": job.submission_id, "tenant": meta.get(META_TENANT, "-"), "status": str(job.status.value),
                      "start": job.start_time and job.start_time / 1000, "end": job.end_time and job.end_time / 1000,
                      "entrypoint": job.entrypoint, "message": job.message or ""})
     return sorted(rows, key=lambda r: r["start"] or 0)
@@ -293,8 +452,71 @@ def follow_logs(client: Any, job_id: str, write: Callable[[str], Any]) -> None:
     asyncio.run(tail())
 
 
-def known_job(client: Any, job_id: str) -> None:
+def job_tenant(client: Any, job_id: str) -> str | None:
+    """The tenant ``pathways submit`` recorded for the job (None for a job it did not submit); CliError if
+    there is no such job."""
     try:
-        client.get_job_info(job_id)
+        info = client.get_job_info(job_id)
     except RuntimeError:
         raise CliError(f"no job {job_id!r} on {os.environ['RAY_ADDRESS']}; `pathways jobs` lists them") from None
+    return (info.metadata or {}).get(META_TENANT)
+
+
+# -- the runtime -----------------------------------------------------------------------------------
+
+def runtime(address: str) -> Any:
+    """Attach this process to the Ray cluster at ``address``; the resource manager's handle."""
+    from client.runtime import connect, find_runtime
+    from pathways.errors import PathwaysError
+
+    try:
+        connect(address)
+    except PathwaysError as exc:
+        raise CliError(str(exc)) from None
+    rm = find_runtime()
+    if rm is None:
+        raise CliError(f"no pathways runtime runs at {address}: start it with `pathways up`")
+    return rm
+
+
+def ask(rm: Any, method: str, kind: str, body: dict, timeout: float = 60.0) -> Any:
+    """Call one of the resource manager's public methods with a ``kind`` message; its reply's value, or the
+    error it answered (a PathwaysError)."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    from pathways import wire
+    from pathways.errors import from_wire
+
+    try:
+        raw = ray.get(getattr(rm, method).remote(wire.encode(kind, body)), timeout=timeout)
+    except GetTimeoutError:
+        raise CliError(f"the resource manager did not answer within {timeout:.0f}s") from None
+    except RayActorError as exc:
+        raise CliError(f"the resource manager is gone ({type(exc).__name__}); restart it with `pathways up`") \
+            from None
+    msg = wire.decode(raw, "reply")
+    if not msg["ok"]:
+        raise from_wire(*msg["value"])
+    return msg["value"]
+
+
+def issue_ticket(rm: Any, tenant: str, credential: str, job: str) -> str:
+    """A single-use ticket for job ``job`` of ``tenant`` (short-lived; the job's ``pw.init()`` redeems it)."""
+    from pathways.errors import PathwaysError
+
+    try:
+        return ask(rm, "issue_ticket", "ticket", {"tenant": tenant, "credential": credential, "job": job})
+    except PathwaysError as exc:
+        raise CliError(f"no ticket for tenant {tenant!r}: {exc}") from None
+
+
+def whoami(rm: Any, tenant: str, credential: str) -> dict | None:
+    """``{"admin": bool, "tenant": name or None}`` for a valid credential (the admin's, or ``tenant``'s);
+    None for one the resource manager does not accept."""
+    from pathways.errors import TenantAccessError
+
+    try:
+        return ask(rm, "whoami", "ticket", {"tenant": tenant, "credential": credential, "job": ""})
+    except TenantAccessError:
+        return None

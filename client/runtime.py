@@ -17,6 +17,7 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
+from client.jobs import enable_token_auth
 from pathways import wire
 from pathways.errors import PathwaysError, ResourceError, from_wire
 from pathways.names import NAMESPACE, RESOURCE_MANAGER
@@ -45,14 +46,14 @@ def connect(address: str | None) -> bool:
         if address != "auto" and not reachable(address):
             raise PathwaysError(f"no Ray cluster answers at {address} (nothing accepts connections there within "
                                 f"{CONNECT_TIMEOUT_S:.0f}s); start one (`pathways up`) or fix the address")
-        _use_token_auth()
+        enable_token_auth()  # before attaching: the GCS refuses a client without the token
         ray.init(address=address, namespace=NAMESPACE, logging_level=logging.WARNING)
         return False
     from ray._private.utils import read_ray_address
 
     recorded = read_ray_address()
     if recorded and reachable(recorded):
-        _use_token_auth()
+        enable_token_auth()  # before attaching: the GCS refuses a client without the token
         ray.init(address=recorded, namespace=NAMESPACE, logging_level=logging.WARNING)
         return False
     if recorded:
@@ -60,19 +61,6 @@ def connect(address: str | None) -> bool:
                     "an embedded local cluster", recorded)
     ray.init(address="local", namespace=NAMESPACE, include_dashboard=False, logging_level=logging.WARNING)
     return True
-
-
-def _use_token_auth() -> None:
-    """Ray 2.60 clusters require token authentication, but only a process that *starts* a cluster turns it
-    on for itself; an attaching process must opt in, or the GCS refuses it. Opt in when a token exists,
-    with Ray's own helper (it also refreshes Ray's cached config), where this Ray version has one."""
-    try:
-        from ray._private.authentication.authentication_token_setup import (
-            maybe_enable_token_auth_if_token_available,
-        )
-    except ImportError:  # a Ray without token authentication
-        return
-    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
 
 
 def find_runtime() -> Any | None:

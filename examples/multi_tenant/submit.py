@@ -2,8 +2,12 @@
 
     python -m examples.multi_tenant.submit [--address ADDR] [--tenants alice:1,bob:3] [--steps N]
 
-Each job ships this folder as its working directory and runs ``python train.py``; the tenant and
-weight reach ``pw.init()`` through the job's environment (PATHWAYS_TENANT, PATHWAYS_WEIGHT).
+Run it as the cluster's admin (who ran ``pathways up``: it reads ``$PATHWAYS_HOME/admin.token``).
+Tenants missing from the registry are registered with the weights asked for, and their credentials
+saved in ``$PATHWAYS_HOME/credentials/``; tenants already there keep the weight the registry gives
+them (``pathways tenants set NAME --weight W`` changes it). Each job ships this folder as its
+working directory and runs ``python train.py`` with a single-use ticket of its tenant
+(PATHWAYS_TICKET), never the tenant's credential.
 """
 
 from __future__ import annotations
@@ -21,12 +25,32 @@ def parse_tenants(spec: str) -> list[tuple[str, float]]:
     for item in spec.split(","):
         name, _, weight = item.partition(":")
         try:
-            out.append((name.strip(), float(weight or 1)))
+            out.append((jobs.check_tenant(name.strip()), float(weight or 1)))
         except ValueError:
             raise jobs.CliError(f"--tenants: {item!r} is not NAME:WEIGHT") from None
-    for name, weight in out:
-        jobs.check_tenant(name, weight)
+        if not out[-1][1] > 0:
+            raise jobs.CliError(f"--tenants: the weight of {name} must be positive")
     return out
+
+
+def register(rm, tenants: list[tuple[str, float]]) -> None:
+    """Register (as the admin) the tenants the registry does not have yet, saving their credentials."""
+    from client.admin import Admin
+    from pathways.errors import PathwaysError
+
+    admin = Admin(rm, jobs.need_admin_credential(None, "registering tenants"))
+    try:
+        known = {t["name"]: t for t in admin.tenants()}
+        for name, weight in tenants:
+            if name not in known:
+                jobs.write_secret(jobs.credential_path(name), admin.add_tenant(name, weight))
+                print(f"registered tenant {name} (weight {weight:g}); its credential is in "
+                      f"{jobs.credential_path(name)}")
+            elif known[name]["weight"] != weight:
+                print(f"tenant {name} exists with weight {known[name]['weight']:g}, which it keeps "
+                      f"(`pathways tenants set {name} --weight {weight:g}` changes it)")
+    except PathwaysError as exc:
+        raise jobs.CliError(str(exc)) from None
 
 
 def last_line(logs: str, marker: str) -> str:
@@ -47,10 +71,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         tenants = parse_tenants(args.tenants)
         address = jobs.resolve_address(args.address)
+        rm = jobs.runtime(address)
+        register(rm, tenants)
         client = jobs.job_client()
         here = str(Path(__file__).resolve().parent)
         entry = ["python", "train.py", "--steps", str(args.steps), "--seconds", str(args.seconds)]
-        ids = {tenant: jobs.submit(client, tenant, weight, entry, here) for tenant, weight in tenants}
+        ids = {}
+        for tenant, _ in tenants:
+            found = jobs.tenant_credential(tenant)
+            if found is None:
+                raise jobs.CliError(f"tenant {tenant} is registered, but its credential is not in "
+                                    f"{jobs.credential_path(tenant)}: `pathways tenants set {tenant} "
+                                    "--new-credential` issues a new one there")
+            job = jobs.new_submission_id(tenant)
+            ids[tenant] = jobs.submit(client, tenant, jobs.issue_ticket(rm, tenant, found[0], job), entry, here, job)
     except jobs.CliError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

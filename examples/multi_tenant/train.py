@@ -1,8 +1,10 @@
 """One tenant's training job: linear regression by full-batch gradient descent on a data-parallel
 slice, one ``pw.jit`` step per iteration, dispatched ahead of the losses it prints.
 
-Run it as a Ray job (``pathways submit --tenant NAME -- python train.py``) or directly against a
-running cluster with ``RAY_ADDRESS`` set; the tenant comes from ``PATHWAYS_TENANT``.
+Run it as a Ray job (``pathways submit --tenant NAME -- python train.py``: the job proves its tenant
+with a one-time ticket), or directly against a running cluster with ``RAY_ADDRESS`` and
+``PATHWAYS_TENANT`` set and the tenant's credential at hand (``PATHWAYS_CREDENTIAL`` or
+``$PATHWAYS_HOME/credentials/NAME``). It prints the weight the cluster's registry gives its tenant.
 """
 
 from __future__ import annotations
@@ -35,11 +37,12 @@ def report(tenant: str, step: int, loss: pw.Array, t0: float) -> None:
 
 def train(steps: int, seconds: float, devices: int, island: int, batch: int, features: int, lr: float,
           print_every: int) -> float:
-    session = pw.init()  # attaches through RAY_ADDRESS; tenant and weight from the job's environment
+    session = pw.init()  # attaches through RAY_ADDRESS; proves its tenant with the job's ticket (or credential)
     tenant = session.tenant
     x, y, true_w = make_problem(tenant, batch, features)
     with pw.slice((devices,), ("data",), island=island) as s:
-        print(f"[{tenant}] weight {session.weight:g}: slice {s.key} {s.shape} on island {s.island}", flush=True)
+        print(f"[{tenant}] weight {session.weight:g} (from the registry): slice {s.key} {s.shape} on island "
+              f"{s.island}", flush=True)
         xs, ys = pw.put(x, s, P("data", None)), pw.put(y, s, P("data"))
         w = pw.put(np.zeros(features, np.float32), s, P())
 

@@ -80,7 +80,11 @@ class Admin:
     def hosts(self) -> list[list[Any]]:
         """Every island's host actor handles (to read their counters)."""
         payload = wire.encode("admin", {"credential": self._credential, "op": "hosts", "args": {}})
-        return ray.get(self._rm.admin_hosts.remote(payload), timeout=self._timeout)[1]
+        raw, handles = ray.get(self._rm.admin_hosts.remote(payload), timeout=self._timeout)
+        msg = wire.decode(raw, "reply")
+        if not msg["ok"]:
+            raise from_wire(*msg["value"])
+        return handles
 
 
 def admin(credential: str | None = None) -> Admin:

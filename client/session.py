@@ -173,8 +173,9 @@ class Session:
             return island not in self.dead
         self._refreshed[island] = now
         try:
-            epochs, handles = ray.get(self.rm.hosts.remote(self.client_id, self.sign("hosts")),
-                                      timeout=self.timeouts.poll * 10)
+            raw, handles = ray.get(self.rm.hosts.remote(self.client_id, self.sign("hosts")),
+                                   timeout=self.timeouts.poll * 10)
+            epochs = _value(raw)
         except Exception:  # the resource manager is busy or gone: the island counts as failed for now
             return False
         for k, (epoch, hosts) in enumerate(zip(epochs, handles)):

@@ -7,9 +7,9 @@
     f = pw.jit(lambda a: a @ a.T, slice=s, in_specs=(P("data", None),))
     print(np.asarray(f(x)))
 
-The vocabulary every side shares (errors, topology, the program graph) loads
-eagerly; the client API loads on first use, so island hosts, which import
-only the vocabulary, never load the client.
+Only the errors load eagerly; everything else loads on first use, so island
+hosts, which import only the vocabulary, never load the client, and the
+``pathways`` command does not pay for JAX unless it needs it.
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ from pathways.errors import (
     TenantAccessError,
     WireFormatError,
 )
-from pathways.graph import Program
-from pathways.topology import Topology
 
-_CLIENT_API = {
+_LAZY = {
+    "Topology": "pathways.topology",
+    "Program": "pathways.graph",
+    "ClusterStatus": "pathways.cluster",
     "Admin": "client.admin",
     "admin": "client.admin",
     "Array": "client.array",
@@ -60,8 +61,8 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    if name in _CLIENT_API:
-        value = getattr(importlib.import_module(_CLIENT_API[name]), name)
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
     elif name in _MODULES:
         value = importlib.import_module(_MODULES[name])
     else:

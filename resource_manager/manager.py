@@ -195,7 +195,7 @@ class ResourceManager:
         msg = wire.decode(payload, "ticket")
         record = self.registry.authenticate(msg["tenant"], msg["credential"])
         now = time.time()
-        self.tickets = {d: t for d, t in self.tickets.items() if t.expires > now and not t.used}
+        self.tickets = {d: t for d, t in self.tickets.items() if t.expires > now}  # a used one stays, to log reuse
         ticket = auth.new_secret()
         self.tickets[auth.digest(ticket)] = Ticket(record.name, msg["job"], now + TICKET_TTL_S)
         return ticket
@@ -236,13 +236,16 @@ class ResourceManager:
             return None
         return self._state(session.tenant)
 
-    def hosts(self, client: int, mac: bytes) -> tuple[list, list]:
-        """Each island's epoch and host handles (after a restart, clients take the new hosts from here)."""
+    def hosts(self, client: int, mac: bytes) -> tuple[bytes, list]:
+        """A reply with each island's epoch, and the islands' host handles (after a restart, clients take the
+        new hosts from here)."""
         session = self.clients.get(client) if isinstance(client, int) else None
         if session is None or not auth.verify(session.key, mac, "hosts"):
-            raise TenantAccessError("not signed by a session this runtime knows")
+            refusal = TenantAccessError("the request is not signed by a session this runtime knows")
+            return wire.encode("reply", {"ok": False, "value": list(to_wire(refusal))}), []
         with self._lock:
-            return [i.epoch for i in self.islands], [i.hosts for i in self.islands]
+            return (wire.encode("reply", {"ok": True, "value": [i.epoch for i in self.islands]}),
+                    [i.hosts for i in self.islands])
 
     def _forget(self, client: int, free_buffers: bool, why: str = "closed") -> dict:
         info = self.clients.pop(client, None)
@@ -459,13 +462,17 @@ class ResourceManager:
             return {str(i): {t: list(v) for t, v in c.items()} for i, c in self._census.items()}
         raise ResourceError(f"unknown admin operation {op!r}")
 
-    def admin_hosts(self, payload: bytes) -> tuple[list, list]:
-        """Each island's epoch and host handles, for the admin's tools (``pathways status``)."""
-        msg = wire.decode(payload, "admin")
-        if not self.registry.is_admin(msg["credential"]):
-            raise TenantAccessError("this operation needs the cluster's admin credential")
+    def admin_hosts(self, payload: bytes) -> tuple[bytes, list]:
+        """A reply with each island's epoch, and the islands' host handles, for the admin's tools."""
+        try:
+            msg = wire.decode(payload, "admin")
+            if not self.registry.is_admin(msg["credential"]):
+                raise TenantAccessError("this operation needs the cluster's admin credential")
+        except PathwaysError as exc:
+            return wire.encode("reply", {"ok": False, "value": list(to_wire(exc))}), []
         with self._lock:
-            return [i.epoch for i in self.islands], [i.hosts for i in self.islands]
+            return (wire.encode("reply", {"ok": True, "value": [i.epoch for i in self.islands]}),
+                    [i.hosts for i in self.islands])
 
     def _tenants(self) -> list[dict]:
         out = []

@@ -68,10 +68,13 @@ def lower(program: Program, exes: dict[str, bytes]) -> Lowered:
     for node in program.nodes:
         if isinstance(node, Compute):
             island = node.slice.island
-            emit(island, {"op": "exec", "exe": node.exe, "slice": node.slice.key, "name": node.name,
-                          "in": [v.slot for v in node.inputs], "out": [v.slot for v in node.outputs],
-                          "in_specs": [spec_to_wire(s) for s in node.in_specs],
-                          "out_specs": [spec_to_wire(s) for s in node.out_specs]}, *node.outputs)
+            op = {"op": "exec", "exe": node.exe, "slice": node.slice.key, "name": node.name,
+                  "in": [v.slot for v in node.inputs], "out": [v.slot for v in node.outputs],
+                  "in_specs": [spec_to_wire(s) for s in node.in_specs],
+                  "out_specs": [spec_to_wire(s) for s in node.out_specs]}
+            if node.donate:  # input positions whose buffers the call may reuse (this is their last use)
+                op["donate"] = list(node.donate)
+            emit(island, op, *node.outputs)
             used_exes.setdefault(island, {})[node.exe] = exes[node.exe]
         elif isinstance(node, Transfer):
             src, dst = node.source, node.target

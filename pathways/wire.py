@@ -31,7 +31,8 @@ DIRECT = {"pid": int, "host": int, "lease": int, "addrs": ("list", int), "channe
 FREES = ("opt", ("list", int))  # slots freed right after the op: intermediates at their last use
 OPS: dict[str, dict] = {
     "exec": {"exe": str, "slice": str, "in": ("list", int), "out": ("list", int),
-             "in_specs": ("list", SPEC), "out_specs": ("list", SPEC), "name": str, "frees": FREES},
+             "in_specs": ("list", SPEC), "out_specs": ("list", SPEC), "name": str, "frees": FREES,
+             "donate": ("opt", ("list", int))},  # input positions the host may donate to the call
     "send": {"in": int, "key": int, "island": int, "routes": ("list", ROUTE), "frees": FREES},
     "recv": {"out": int, "slice": str, "spec": SPEC, "aval": AVAL, "src": int,
              "expect": ("list", ("list", int)), "frees": FREES},

@@ -102,6 +102,17 @@ class BufferTable:
                     self._doomed.discard(i)
                     self._drop(i)
 
+    def sole_use(self, buffer_id: int) -> bool:
+        """True when no pending op other than the one asking (which counts one use) reads or writes the buffer."""
+        return self._uses.get(buffer_id, 0) <= 1
+
+    def donated(self, ids: list[int]) -> None:
+        """Buffers a call consumed (donated to XLA): they leave the table now; their memory is the outputs'."""
+        with self._cond:
+            for i in ids:
+                self._doomed.discard(i)
+                self._drop(i)
+
     def free(self, ids: list[int], tenant: str) -> None:
         with self._cond:  # re-entrant: the executor frees while holding it
             for i in ids:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import warnings
 from typing import Any
 
 import jax
@@ -39,8 +40,9 @@ class ExecutableCache:
         with self._lock:
             self._blobs[exe_hash] = blob
 
-    def get(self, exe_hash: str, mesh: Mesh, mesh_key: tuple, in_specs: list, out_specs: list) -> Any:
-        key = (exe_hash, mesh_key, repr(in_specs), repr(out_specs))
+    def get(self, exe_hash: str, mesh: Mesh, mesh_key: tuple, in_specs: list, out_specs: list,
+            donate: tuple[int, ...] = ()) -> Any:
+        key = (exe_hash, mesh_key, repr(in_specs), repr(out_specs), donate)
         compiled = self._compiled.get(key)
         if compiled is not None:
             self.hits += 1
@@ -54,7 +56,10 @@ class ExecutableCache:
         in_sh = tuple(NamedSharding(mesh, spec_from_wire(s)) for s in in_specs)
         out_sh = tuple(NamedSharding(mesh, spec_from_wire(s)) for s in out_specs)
         avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(exported.in_avals, in_sh)]
-        compiled = jax.jit(exported.call, in_shardings=in_sh, out_shardings=out_sh).lower(*avals).compile()
+        with warnings.catch_warnings():  # an input no output can reuse is simply not reused
+            warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+            compiled = jax.jit(exported.call, in_shardings=in_sh, out_shardings=out_sh,
+                               donate_argnums=donate).lower(*avals).compile()
         with self._lock:
             self._compiled[key] = compiled
             self.compiles += 1
@@ -62,3 +67,21 @@ class ExecutableCache:
 
     def __len__(self) -> int:
         return len(self._compiled)
+
+
+def donatable(op: dict, ids: list[int], entries: list, table: Any) -> tuple[int, ...]:
+    """The input positions of an exec op whose buffers this host gives to XLA as donated.
+
+    ``op["donate"]`` is what the client asked for (the inputs' last use in its program). A position is
+    refused, and that input simply not donated, when its buffer is also passed at another position, or
+    when another pending op (a later op, another fragment, a send still running) still reads it: the
+    buffer table's use count says so. Positions that are not inputs of the op fail the op.
+    """
+    asked = op.get("donate") or ()
+    n = len(ids)
+    if any(not isinstance(p, int) or isinstance(p, bool) or not 0 <= p < n for p in asked) or \
+            len(set(asked)) != len(asked):
+        raise ProgramError(f"exec {op.get('name')!r}: donate {list(asked)} must name distinct input positions "
+                           f"below {n}")
+    return tuple(sorted(p for p in asked if ids.count(ids[p]) == 1 and table.sole_use(ids[p])
+                        and isinstance(entries[p].value, jax.Array)))

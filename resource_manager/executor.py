@@ -28,7 +28,7 @@ from resource_manager.buffer_pool import BufferPool
 from resource_manager.buffers import BufferTable, Failure
 from resource_manager.devices import LocalDevices
 from resource_manager.direct import Lent, Peers
-from resource_manager.executables import ExecutableCache
+from resource_manager.executables import ExecutableCache, donatable
 from resource_manager.scheduler import Scheduler
 from resource_manager.transfer import Landing, assemble, local_pieces
 
@@ -278,16 +278,23 @@ class Executor:
         if failure is not None:
             self._fail_op(run, op, failure)
             return True
-        compiled = op.get("_compiled")
-        if compiled is None:  # first run of this template op on this host
+        ids = [run.rid(slot) for slot in op["in"]]
+        donate = donatable(op, ids, entries, self.table) if "donate" in op else ()
+        compiled = op.get("_compiled") if not donate else None
+        if compiled is None and not donate:  # first run of this template op on this host
             mesh, key = self.devices.mesh(desc)
             compiled = op["_compiled"] = self.exes.get(op["exe"], mesh, key, op["in_specs"], op["out_specs"])
+        elif compiled is None:  # donating: an executable per set of donated positions (cached by the cache)
+            mesh, key = self.devices.mesh(desc)
+            compiled = self.exes.get(op["exe"], mesh, key, op["in_specs"], op["out_specs"], donate)
         else:
             self.exes.hits += 1
         results = compiled(*[e.value for e in entries])
         # One launch at a time: XLA's CPU collectives deadlock when many multi-device launches are in
         # flight, and blocking makes the island time charged to each tenant (and traced) real.
         jax.block_until_ready(results)
+        if donate:  # XLA consumed them: gone from the table before the outputs land (the peak sees it)
+            self.table.donated([ids[p] for p in donate])
         for slot, value in zip(op["out"], results):
             self.table.put(run.rid(slot), run.tenant, value)
         return True
@@ -319,8 +326,18 @@ class Executor:
         if self.peers.linked(op["island"], [r["to"] for r in routes]):
             self._deliver_all(*args)  # a frame on a socket: cheaper than a hand-off to the sender threads
         else:
-            self._sender.submit(self._deliver_all, *args)
+            held = [run.rid(op["in"])]  # still read in the background: no later call may donate it meanwhile
+            with self.cond:
+                self.table.add_uses(held)
+            self._sender.submit(self._deliver_then_release, held, *args)
         return True
+
+    def _deliver_then_release(self, held: list[int], *args: Any) -> None:
+        try:
+            self._deliver_all(*args)
+        finally:
+            with self.cond:
+                self.table.done_using(held)
 
     def _deliver_all(self, value: Any, key: int, island: int, routes: list[dict]) -> None:
         pieces = None if isinstance(value, Failure) else local_pieces(value)

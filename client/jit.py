@@ -28,7 +28,7 @@ from pathways.sharding import check_spec
 
 Aval = tuple[tuple[int, ...], Any, bool]  # shape, dtype (numpy or key), weak_type
 
-__all__ = ["Bound", "CompiledFunction", "ExportedCall", "broadcast_specs", "jit"]
+__all__ = ["Bound", "CompiledFunction", "ExportedCall", "Statics", "broadcast_specs", "jit"]
 
 
 @dataclass(frozen=True)
@@ -74,20 +74,27 @@ def _infer(sig: inspect.Signature | None, nums: tuple[int, ...], names: tuple[st
     return tuple(i for i, k in params if k in names), names
 
 
-class _Statics:
-    """The static arguments of one call, hashable: what makes one op-by-op call reuse another's trace."""
+@dataclass(frozen=True, eq=False)
+class Statics:
+    """The static arguments of one call and where they go; hashable and equal by value (with types, as jax.jit
+    compares them), so it keys the export cache and an op-by-op call's trace. It holds no dynamic argument."""
 
-    __slots__ = ("bound", "key")
-
-    def __init__(self, bound: Bound) -> None:
-        self.bound = bound
-        self.key = bound.static_key
+    n_positional: int
+    static_pos: dict[int, Any]
+    static_kw: dict[str, Any]
+    key: tuple
 
     def __hash__(self) -> int:
         return hash(self.key)
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Statics) and self.key == other.key
+        return isinstance(other, Statics) and self.key == other.key
+
+    def rebuild(self, dyn_args: Iterable, dyn_kwargs: dict[str, Any]) -> tuple[list, dict]:
+        """The full (args, kwargs) of a call, with these static values around the dynamic ones."""
+        it = iter(dyn_args)
+        args = [self.static_pos[i] if i in self.static_pos else next(it) for i in range(self.n_positional)]
+        return args, {**dyn_kwargs, **self.static_kw}
 
 
 @dataclass(frozen=True, eq=False)
@@ -95,22 +102,13 @@ class Bound:
     """One call's arguments split the way jax.jit splits them: static values, and the dynamic pytree
     ``(args, kwargs)`` whose leaves are traced, with a spec and a donate flag per leaf."""
 
-    n_positional: int
-    static_pos: dict[int, Any]
-    static_kw: dict[str, Any]
+    statics: Statics
     dyn_args: tuple
     dyn_kwargs: dict[str, Any]
-    static_key: tuple
     leaves: list
     in_tree: Any
     specs: list[P]
     donate: list[bool]
-
-    def rebuild(self, dyn_args: Iterable, dyn_kwargs: dict[str, Any]) -> tuple[list, dict]:
-        """The full (args, kwargs) of a call, with these static values around new dynamic ones."""
-        it = iter(dyn_args)
-        args = [self.static_pos[i] if i in self.static_pos else next(it) for i in range(self.n_positional)]
-        return args, {**dyn_kwargs, **self.static_kw}
 
 
 class CompiledFunction:
@@ -187,7 +185,8 @@ class CompiledFunction:
         flags: list[bool] = []
         jax.tree_util.tree_map(lambda flag, sub: flags.extend([flag] * len(jax.tree_util.tree_leaves(sub))),
                                donated, tree)
-        return Bound(n, static_pos, static_kw, dyn_args, dyn_kwargs, static_key, leaves, in_tree, specs, flags)
+        return Bound(Statics(n, static_pos, static_kw, static_key), dyn_args, dyn_kwargs, leaves, in_tree, specs,
+                     flags)
 
     def _raise_jax_static_error(self, args: tuple, kwargs: dict[str, Any]) -> None:
         """An unhashable static argument: raise the error jax.jit raises for the same call."""
@@ -239,11 +238,12 @@ class CompiledFunction:
     # -- export -------------------------------------------------------------------------------------
     def export(self, slice: VirtualSlice, bound: Bound, avals: list[Aval]) -> ExportedCall:  # noqa: A002
         """The StableHLO of this function for ``slice``'s mesh and these argument avals (cached)."""
-        key = (slice.shape, slice.axis_names, bound.in_tree, tuple(avals), bound.static_key)
+        key = (slice.shape, slice.axis_names, bound.in_tree, tuple(avals), bound.statics)
         hit = self._exports.get(key)
         if hit is not None:
             return hit
         mesh = slice.abstract_mesh()
+        statics, in_tree = bound.statics, bound.in_tree  # the closures below must not hold the arguments
         structs, keys = [], []
         for k, ((shape, dtype, weak), spec) in enumerate(zip(avals, bound.specs)):
             check_spec(spec, shape, slice.shape, slice.axis_names, f"{self.name}: argument {k}")
@@ -254,8 +254,8 @@ class CompiledFunction:
 
         def unflat(*leaves: Any) -> Any:
             leaves = [k.wrap(x) if k is not None else x for k, x in zip(keys, leaves)]
-            dyn_args, dyn_kwargs = jax.tree_util.tree_unflatten(bound.in_tree, leaves)
-            args, kwargs = bound.rebuild(dyn_args, dyn_kwargs)
+            dyn_args, dyn_kwargs = jax.tree_util.tree_unflatten(in_tree, leaves)
+            args, kwargs = statics.rebuild(dyn_args, dyn_kwargs)
             return self.fn(*args, **kwargs)
 
         try:
@@ -293,12 +293,12 @@ class CompiledFunction:
             return trace.call(self, args, kwargs)
         bound = self.bind(args, kwargs)  # static arguments become one hashable value: the trace cache key
         if self._single is None:
-            def one(statics: _Statics, *dyn_args: Any, **dyn_kwargs: Any) -> Any:
-                full_args, full_kwargs = statics.bound.rebuild(dyn_args, dyn_kwargs)
+            def one(statics: Statics, *dyn_args: Any, **dyn_kwargs: Any) -> Any:
+                full_args, full_kwargs = statics.rebuild(dyn_args, dyn_kwargs)
                 return self(*full_args, **full_kwargs)
 
             self._single = tracer.ProgramFunction(one, name=self.name, op_by_op=True)
-        return self._single(_Statics(bound), *bound.dyn_args, **bound.dyn_kwargs)
+        return self._single(bound.statics, *bound.dyn_args, **bound.dyn_kwargs)
 
     def __repr__(self) -> str:
         where = f"slice {self.slice.key}" if self.slice is not None else "the slice of its first argument"

@@ -156,14 +156,16 @@ def test_donation_lowers_peak_buffer_bytes_by_one_copy(cluster, s):
         p, g = pw.put(np.ones(n, np.float32), s), pw.put(np.ones(n, np.float32), s)
         p.block_until_ready()
         g.block_until_ready()
+        gc.collect()
+        settle(cluster, islands=(0,))  # earlier tests' frees land before the peak starts
         ray.get(host.reset_peak.remote())
         base = host_stats(cluster, 0)["buffer_bytes"]
         out = fn(p, g)
         close(out.fetch()[:4], np.full(4, 0.9, np.float32))
         peaks[d] = host_stats(cluster, 0)["peak_buffer_bytes"] - base
         del p, g, out
-    assert peaks[()] == 4 * n  # a new buffer beside both inputs
-    assert peaks[(0,)] == 0  # the output took the donated buffer's place
+    assert peaks[()] > 0.99 * 4 * n  # a new buffer beside both inputs
+    assert peaks[(0,)] < 0.01 * 4 * n  # the output took the donated buffer's place
 
 
 def test_program_donates_only_a_last_use(s):
@@ -405,3 +407,16 @@ def test_donation_from_several_threads_keeps_each_callers_result(s):
         th.join()
     for k in range(3):
         close(results[k], np.full(8, k + 5.0))
+
+
+def test_calls_do_not_keep_their_arguments_alive(s):
+    import weakref
+
+    f = pw.jit(scale_add, slice=s, static_argnums=1)
+    x = pw.put(np.ones(4, np.float32), s)
+    out = f(x, 1, scale=2.0)
+    close(out, np.full(4, 3.0))
+    held = weakref.ref(x)
+    del x, out
+    gc.collect()
+    assert held() is None

@@ -160,23 +160,31 @@ class CompiledFunction:
                                 **self._options)
 
     # -- arguments ----------------------------------------------------------------------------------
-    def bind(self, args: tuple, kwargs: dict[str, Any]) -> Bound:
-        """Split a call's arguments into static values and the dynamic pytree, as jax.jit does."""
+    def split(self, args: tuple, kwargs: dict[str, Any]) -> tuple[Statics, list[int], tuple, dict[str, Any]]:
+        """(static values, positions of the dynamic positional arguments, those arguments, dynamic keyword
+        arguments): the part of ``bind`` every op-by-op call needs."""
         n = len(args)
-        static_nums = {i % n for i in self.static_argnums if -n <= i < n}  # negative: from the end, as in jax
-        donate_nums = {i % n for i in self.donate_argnums if -n <= i < n}
-        static_pos = {i: args[i] for i in sorted(static_nums)}
-        static_kw = {k: v for k, v in kwargs.items() if k in self.static_argnames}
+        static_pos = {i % n: args[i] for i in self.static_argnums if -n <= i < n}  # negative: from the end
+        static_kw = {k: v for k, v in kwargs.items() if k in self.static_argnames} if kwargs else {}
+        if not static_pos and not static_kw:
+            return Statics(n, {}, {}, (n, (), ())), list(range(n)), args, kwargs
         dyn_pos = [i for i in range(n) if i not in static_pos]
-        dyn_args = tuple(args[i] for i in dyn_pos)
         dyn_kwargs = {k: v for k, v in kwargs.items() if k not in static_kw}
-        static_key = (n, tuple((i, type(v), v) for i, v in sorted(static_pos.items())),
-                      tuple((k, type(v), v) for k, v in sorted(static_kw.items())))
+        key = (n, tuple((i, type(v), v) for i, v in sorted(static_pos.items())),
+               tuple((k, type(v), v) for k, v in sorted(static_kw.items())))
         try:
-            hash(static_key)
+            hash(key)
         except TypeError:
             self._raise_jax_static_error(args, kwargs)
-        arg_specs, kw_specs = self._arg_specs(dyn_pos, dyn_kwargs, static_nums)
+        return Statics(n, static_pos, static_kw, key), dyn_pos, tuple(args[i] for i in dyn_pos), dyn_kwargs
+
+    def bind(self, args: tuple, kwargs: dict[str, Any]) -> Bound:
+        """Split a call's arguments into static values and the dynamic pytree, as jax.jit does, with a spec and
+        a donate flag for each dynamic leaf."""
+        statics, dyn_pos, dyn_args, dyn_kwargs = self.split(args, kwargs)
+        n = len(args)
+        donate_nums = {i % n for i in self.donate_argnums if -n <= i < n}
+        arg_specs, kw_specs = self._arg_specs(dyn_pos, dyn_kwargs, set(statics.static_pos))
         tree = (dyn_args, dyn_kwargs)
         leaves, in_tree = jax.tree_util.tree_flatten(tree)
         specs = broadcast_specs((tuple(arg_specs), kw_specs), tree, f"{self.name}: in_specs")
@@ -185,8 +193,7 @@ class CompiledFunction:
         flags: list[bool] = []
         jax.tree_util.tree_map(lambda flag, sub: flags.extend([flag] * len(jax.tree_util.tree_leaves(sub))),
                                donated, tree)
-        return Bound(Statics(n, static_pos, static_kw, static_key), dyn_args, dyn_kwargs, leaves, in_tree, specs,
-                     flags)
+        return Bound(statics, dyn_args, dyn_kwargs, leaves, in_tree, specs, flags)
 
     def _raise_jax_static_error(self, args: tuple, kwargs: dict[str, Any]) -> None:
         """An unhashable static argument: raise the error jax.jit raises for the same call."""
@@ -291,14 +298,14 @@ class CompiledFunction:
         trace = tracer.current_trace()
         if trace is not None:
             return trace.call(self, args, kwargs)
-        bound = self.bind(args, kwargs)  # static arguments become one hashable value: the trace cache key
+        statics, _, dyn_args, dyn_kwargs = self.split(args, kwargs)  # statics: one hashable value, in the trace key
         if self._single is None:
             def one(statics: Statics, *dyn_args: Any, **dyn_kwargs: Any) -> Any:
                 full_args, full_kwargs = statics.rebuild(dyn_args, dyn_kwargs)
                 return self(*full_args, **full_kwargs)
 
             self._single = tracer.ProgramFunction(one, name=self.name, op_by_op=True)
-        return self._single(bound.statics, *bound.dyn_args, **bound.dyn_kwargs)
+        return self._single(statics, *dyn_args, **dyn_kwargs)
 
     def __repr__(self) -> str:
         where = f"slice {self.slice.key}" if self.slice is not None else "the slice of its first argument"

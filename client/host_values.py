@@ -138,7 +138,8 @@ def _python_scalar(value: Any, what: str) -> HostData:
         return HostData(np.asarray(value, dtype), (), dtype, True, None)
     source = np.dtype(np.float64 if isinstance(value, float) else np.complex128)
     dtype = np.dtype(jax.dtypes.canonicalize_dtype(source))
-    data = np.asarray(value, dtype)
+    with np.errstate(over="ignore"):  # an overflow is reported below, as an error
+        data = np.asarray(value, dtype)
     if np.isfinite(value) and not np.isfinite(data):
         raise ProgramError(f"{what}: Python {type(value).__name__} {value!r} overflows {dtype.name} "
                            f"(it would become {data.item()!r}); {_x64_hint(source, dtype)}")
@@ -152,7 +153,8 @@ def canonical(array: np.ndarray, what: str) -> np.ndarray:
     dtype = np.dtype(jax.dtypes.canonicalize_dtype(array.dtype))
     if dtype == array.dtype:
         return np.asarray(array, order="C")  # (np.ascontiguousarray would make a 0-d array 1-d)
-    out = np.asarray(array, dtype=dtype, order="C")
+    with np.errstate(over="ignore", invalid="ignore"):  # a value that does not survive is reported below
+        out = np.asarray(array, dtype=dtype, order="C")
     if array.dtype.kind in "iu":
         lost = out.astype(array.dtype) != array
     elif array.dtype.kind in "fc":

@@ -129,6 +129,8 @@ def _inputs(session: Session, traced: Traced, leaves: list) -> list[Array]:
 
 
 def dispatch(traced: Traced, leaves: list) -> Any:
+    """Send one call of a traced program: its host values first, then one message per island; returns the
+    outputs as ``pw.Array`` futures at once. The pw.Arrays the program donates are gone afterwards."""
     session = current()
     program = traced.program
     inputs = _inputs(session, traced, leaves)

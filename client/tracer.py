@@ -370,6 +370,9 @@ def _path(path: tuple) -> str:
 
 @dataclass
 class Traced:
+    """One traced signature of a program: its graph, the executables it calls, where each of its inputs comes
+    from on a call, and what dispatch needs to make its outputs (lowered lazily, per placement)."""
+
     program: Program
     exes: dict[str, bytes]
     sources: list  # per program input: ("array", leaf index) or a Placement

@@ -420,3 +420,22 @@ def test_calls_do_not_keep_their_arguments_alive(s):
     del x, out
     gc.collect()
     assert held() is None
+
+
+def test_transfer_sends_host_values_like_put(cluster, s, t):
+    a = np.arange(4, dtype=np.float32)
+    moved = pw.transfer(a, t, P("x"))
+    assert moved.slice is t and moved.spec == P("x")
+    close(moved, a)
+
+    @pw.program
+    def place_and_return(v):
+        return pw.transfer(v, s, P("data"))
+
+    first, second = place_and_return(a), place_and_return(a)
+    assert first.id != second.id  # a placed value the program returns is the caller's own, never a cached one
+    close(second, a)
+    donate = pw.jit(lambda v: v * 2.0, slice=s, in_specs=(P("data"),), donate_argnums=0)
+    close(donate(first), a * 2)
+    assert first.is_deleted()
+    close(second, a)

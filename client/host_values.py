@@ -58,10 +58,12 @@ class KeyInfo:
     data_shape: tuple[int, ...]  # (2,) for threefry2x32
 
     def wrap(self, data: Any) -> jax.Array:
+        """Typed keys from their uint32 data."""
         return jax.random.wrap_key_data(data, impl=self.impl)
 
 
 def is_key_dtype(dtype: Any) -> bool:
+    """True for a typed PRNG key dtype (key<fry>, key<rbg>, ...)."""
     return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
@@ -87,6 +89,7 @@ def physical(shape: tuple[int, ...], dtype: Any) -> tuple[tuple[int, ...], np.dt
 
 
 def dtype_name(dtype: Any) -> str:
+    """'float32', 'key<fry>': a dtype as errors and reprs spell it."""
     return dtype.name if isinstance(dtype, np.dtype) else str(dtype)
 
 

@@ -2,6 +2,9 @@
 
 The buffers never leave the island unless fetched. Dropping the last
 reference frees them (in batches, ordered after every fragment already sent).
+A handle reads like a read-only ``jax.Array`` (shape, dtype, sharding,
+``np.asarray``, ``float()``, ``len``, ...); reading its contents fetches them
+once and keeps them.
 """
 
 from __future__ import annotations
@@ -11,8 +14,10 @@ from typing import Any
 import jax
 import numpy as np
 import ray
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from client.host_values import HostData, KeyInfo, as_host_data, broadcast_specs, dtype_name, physical
 from client.session import Session, current
 from client.slices import VirtualSlice
 from pathways.errors import IslandFailedError, PathwaysError, ProgramError
@@ -22,22 +27,39 @@ from pathways.sharding import check_spec, device_indices, spec_to_wire
 
 
 class Array:
-    """A future for an array on a virtual slice, sharded by ``spec``."""
+    """A future for an array on a virtual slice, sharded by ``spec``.
 
-    __slots__ = ("id", "shape", "dtype", "slice", "spec", "islands", "epoch", "_session", "_value", "__weakref__")
+    It behaves like a read-only ``jax.Array`` where that makes sense without
+    moving data: ``shape``, ``dtype``, ``ndim``, ``size``, ``nbytes``,
+    ``sharding`` and ``weak_type`` are known at once; ``np.asarray(x)``,
+    ``jax.device_get(x)``, ``float(x)``/``int(x)``/``bool(x)`` (0-d arrays)
+    fetch the value. A typed PRNG key array keeps its key dtype and fetches as
+    a ``jax.Array`` of keys. An array donated to a ``pw.jit`` function (see
+    ``donate_argnums``) is gone: any later use raises ``ProgramError``.
+    """
 
-    def __init__(self, session: Session, buffer_id: int, shape: tuple[int, ...], dtype: np.dtype,
-                 slice: VirtualSlice, spec: P, islands: frozenset[int], epoch: int = 0) -> None:  # noqa: A002
+    __slots__ = ("id", "shape", "dtype", "slice", "spec", "islands", "weak_type", "epoch", "_key", "_session",
+                 "_value", "_refs", "_donated", "__weakref__")
+
+    def __init__(self, session: Session, buffer_id: int, shape: tuple[int, ...], dtype: Any,
+                 slice: VirtualSlice, spec: P, islands: frozenset[int], *,  # noqa: A002
+                 weak_type: bool = False, key: KeyInfo | None = None, epoch: int | None = None) -> None:
         self._session = session
-        self.epoch = epoch  # the island's restart count when the buffer was made: a restart loses it
+        # the island's restart count when the buffer was made: a restart loses it
+        self.epoch = session.epoch(slice.island) if epoch is None else epoch
         self.id = buffer_id
         self.shape = tuple(shape)
-        self.dtype = np.dtype(dtype)
+        self.dtype = key.dtype if key is not None else np.dtype(dtype)
         self.slice = slice
         self.spec = spec
         self.islands = islands  # every island its value depends on, for failure detection
-        self._value: np.ndarray | None = None
+        self.weak_type = weak_type
+        self._key = key
+        self._value: Any = None
+        self._refs: list | None = None  # fetch requests already sent (copy_to_host_async)
+        self._donated: str | None = None  # the function it was donated to
 
+    # -- what is known without the value ----------------------------------------------------------
     @property
     def ndim(self) -> int:
         return len(self.shape)
@@ -48,92 +70,211 @@ class Array:
 
     @property
     def nbytes(self) -> int:
-        return self.size * self.dtype.itemsize
+        """Bytes the value takes on the island (for key arrays: their key data), as ``jax.Array.nbytes``."""
+        shape, dtype = self.physical
+        return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
 
-    def check_alive(self) -> None:
-        """IslandFailedError if the island restarted since this array was made (its buffers were lost)."""
-        s = self._session
-        if s.epoch(self.slice.island) != self.epoch and self._value is None:
-            raise IslandFailedError(f"{self} was lost: island {self.slice.island} restarted after it failed, with "
-                                    "empty buffers (pw.status() says when and why); compute it again")
+    @property
+    def physical(self) -> tuple[tuple[int, ...], np.dtype]:
+        """Shape and dtype of the buffer on the island (a key array's uint32 data has trailing dims)."""
+        return physical(self.shape, self.dtype)
 
-    def _request(self, timeout: float | None, ready_only: bool) -> list:
+    @property
+    def sharding(self) -> NamedSharding:
+        """A ``NamedSharding`` of ``spec`` over the slice's abstract mesh (axis names and sizes, no devices)."""
+        return NamedSharding(self.slice.abstract_mesh(), self.spec)
+
+    def is_deleted(self) -> bool:
+        """True once the array was donated to a function; its buffer is gone."""
+        return self._donated is not None
+
+    def _check_live(self, what: str) -> None:
+        if self._donated is not None:
+            raise ProgramError(
+                f"{what} {self._describe()}: it was donated to {self._donated} (donate_argnums/donate_argnames), "
+                "so its buffer was reused for that call's outputs. Use the outputs, or stop donating this argument")
+        if self._session.closed:
+            raise PathwaysError(f"{self._describe()} belongs to a session that was shut down")
+        if self._value is None and self._session.epoch(self.slice.island) != self.epoch:
+            raise IslandFailedError(f"{self._describe()} was lost: island {self.slice.island} restarted after it "
+                                    "failed, with empty buffers (pw.status() says when and why); compute it again")
+
+    def _describe(self) -> str:
+        return f"pw.Array {dtype_name(self.dtype)}{list(self.shape)} (buffer {self.id})"
+
+    # -- reading the value ------------------------------------------------------------------------
+    def _send_fetch(self, timeout: float | None, ready_only: bool) -> tuple[list, float]:
         s = self._session
-        self.check_alive()
         t = s.timeouts.fetch if timeout is None else float(timeout)
         payload = Fetch(self.id, t, ready_only).encode()
         mac = s.sign("fetch", payload)
-        hosts = self.slice.hosts
-        refs = [h.fetch.remote(s.client_id, payload, mac) for h in s.hosts_of(self.slice.island, hosts)]
-        what = f"fetching {self.dtype.name}{list(self.shape)} (buffer {self.id}) from island {self.slice.island}"
+        return [h.fetch.remote(s.client_id, payload, mac) for h in s.hosts_of(self.slice.island, self.slice.hosts)], t
+
+    def _wait(self, refs: list, t: float) -> list:
+        s = self._session
+        what = f"fetching {dtype_name(self.dtype)}{list(self.shape)} (buffer {self.id}) from island {self.slice.island}"
+        # The hosts wait at most ``t`` for the buffer and then answer; the reply itself needs a round trip more,
+        # so a value that is already there comes back even with timeout=0.
         return s.wait(refs, self.islands, t, what)
 
-    def fetch(self, timeout: float | None = None) -> np.ndarray:
-        """The value as numpy; blocks at most ``timeout`` seconds (the session's fetch timeout by default)."""
+    def copy_to_host_async(self) -> None:
+        """Start fetching the value without waiting (``jax.device_get`` calls this on every leaf first, so a
+        tree of arrays is fetched in parallel)."""
+        self._check_live("fetching")
+        if self._value is None and self._refs is None:
+            self._refs, _ = self._send_fetch(None, ready_only=False)
+
+    def fetch(self, timeout: float | None = None) -> Any:
+        """The value as a read-only numpy array (a ``jax.Array`` of keys for a key array); blocks at most
+        ``timeout`` seconds (the session's fetch timeout by default). The value is kept: fetching again is free."""
+        self._check_live("fetching")
         if self._value is None:
-            parts = self._request(timeout, ready_only=False)
-            if isinstance(parts[0], np.ndarray):
-                self._value = parts[0]
+            if self._refs is not None:
+                refs, t = self._refs, self._session.timeouts.fetch
+                self._refs = None
             else:
-                out = np.empty(self.shape, self.dtype)
+                refs, t = self._send_fetch(timeout, ready_only=False)
+            parts = self._wait(refs, t)
+            if isinstance(parts[0], np.ndarray):
+                data = parts[0]
+            else:
+                shape, dtype = self.physical
+                data = np.empty(shape, dtype)
                 for part in parts:
-                    for index, data in part.items():
-                        out[tuple(np.s_[a:b] for a, b in index)] = data
-                self._value = out
+                    for index, piece in part.items():
+                        data[tuple(np.s_[a:b] for a, b in index)] = piece
+            if self._key is not None:
+                self._value = self._key.wrap(data)
+            else:
+                if data.flags.writeable:
+                    data.flags.writeable = False  # like np.asarray of a jax.Array: the value is shared
+                self._value = data
         return self._value
 
     def block_until_ready(self, timeout: float | None = None) -> Array:
-        """Wait until the value is computed on the island, without moving it."""
+        """Wait until the value is computed on the island, without moving it (as ``jax.Array.block_until_ready``)."""
+        self._check_live("waiting for")
         if self._value is None:
-            self._request(timeout, ready_only=True)
+            refs, t = self._send_fetch(timeout, ready_only=True)
+            self._wait(refs, t)
         return self
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         value = self.fetch()
-        return value if dtype is None else value.astype(dtype)
+        if self._key is not None:
+            return np.asarray(value)  # raises JAX's TypeError, as np.asarray(jax.random.key(0)) does
+        if dtype is not None and np.dtype(dtype) != value.dtype:
+            return value.astype(dtype)
+        return value.copy() if copy else value
+
+    def _scalar(self, what: str) -> Any:
+        if self.shape != ():
+            raise TypeError(f"only 0-d arrays convert to a Python {what}; this pw.Array has shape {self.shape}")
+        return self.fetch()[()]
+
+    def __float__(self) -> float:
+        return float(self._scalar("float"))
+
+    def __int__(self) -> int:
+        return int(self._scalar("int"))
+
+    def __complex__(self) -> complex:
+        return complex(self._scalar("complex"))
+
+    def __bool__(self) -> bool:
+        return bool(self._scalar("bool"))
+
+    def __index__(self) -> int:
+        if self._key is not None or self.dtype.kind not in "iub":
+            raise TypeError(f"only integer arrays can be used as an index; this pw.Array is {dtype_name(self.dtype)}")
+        return int(self._scalar("int"))
+
+    def item(self) -> Any:
+        """The value of a 0-d array as a Python scalar."""
+        return self._scalar("scalar").item()
+
+    def tolist(self) -> Any:
+        return self.fetch().tolist()
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of unsized object")
+        return self.shape[0]
 
     def __del__(self) -> None:
         try:
-            if not self._session.closed:
+            if self._donated is None and not self._session.closed:
                 self._session.frees.add(self.slice.island, self.id)
         except Exception:  # interpreter shutdown: the cluster frees everything anyway
             pass
 
+    def _donate(self, to: str) -> None:
+        """The buffer was given to ``to``: free it now (the host drops it at the call, or, if it could not
+        donate it, after the call) and refuse every later use."""
+        if self._donated is None:
+            self._donated = to
+            self._value = None
+            if not self._session.closed:
+                self._session.frees.add(self.slice.island, self.id)
+
     def __repr__(self) -> str:
-        return (f"pw.Array({self.dtype.name}{list(self.shape)}, spec={self.spec}, "
-                f"island={self.slice.island}, slice={self.slice.key})")
+        where = f"spec={self.spec}, island={self.slice.island}, slice={self.slice.key}"
+        if self._donated is not None:
+            return f"pw.Array({dtype_name(self.dtype)}{list(self.shape)}, donated to {self._donated})"
+        if self._value is not None and self._key is None:
+            body = np.array2string(self._value, separator=", ", prefix="pw.Array(", threshold=40)
+            return f"pw.Array({body}, dtype={dtype_name(self.dtype)}, {where})"
+        return f"pw.Array({dtype_name(self.dtype)}{list(self.shape)}, {where})"
 
 
-def put(value: Any, slice: VirtualSlice, spec: P | None = None) -> Array:  # noqa: A002
-    """Copy a host value onto a slice, sharded by ``spec`` (replicated by default)."""
-    session = current()
+def _check_slice(slice: Any, what: str) -> None:  # noqa: A002
     if not isinstance(slice, VirtualSlice):
-        raise ProgramError(f"pw.put needs a VirtualSlice from pw.slice(...), got {type(slice).__name__}")
+        raise ProgramError(f"{what} needs a VirtualSlice from pw.slice(...), got {type(slice).__name__}")
     if slice.released:
         raise ProgramError(f"{slice} was released; allocate a new slice")
-    if isinstance(value, Array):
-        raise ProgramError("pw.put got a pw.Array; use it directly, or fetch it first with np.asarray")
-    spec = P() if spec is None else spec
-    array = np.asarray(value)
-    if array.dtype == object:
-        raise ProgramError(f"pw.put needs a numeric array, got {type(value).__name__} of objects")
-    dtype = jax.dtypes.canonicalize_dtype(array.dtype)
-    array = np.asarray(array, dtype=dtype, order="C")  # (np.ascontiguousarray would make a 0-d array 1-d)
-    check_spec(spec, array.shape, slice.shape, slice.axis_names, "pw.put")
+
+
+def put(tree: Any, slice: VirtualSlice, specs: Any = None) -> Any:  # noqa: A002
+    """Copy host values onto a slice: the same pytree, with a ``pw.Array`` for each leaf.
+
+    ``tree`` is an array, a scalar, or any pytree of them (a params dict, an
+    optax state); leaves may be numpy arrays, Python or numpy scalars,
+    ``jax.Array`` s and typed PRNG key arrays. ``specs`` is a PartitionSpec
+    for every leaf, or a pytree prefix of ``tree`` with one per subtree; None
+    means replicated. Dtypes are canonicalized as JAX does, and a value that
+    does not fit its canonical dtype raises ``ProgramError``.
+    """
+    session = current()
+    _check_slice(slice, "pw.put")
+    spec_list = broadcast_specs(specs, tree, "pw.put: specs")
+    paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    out = []
+    for (path, leaf), spec in zip(paths, spec_list):
+        what = "pw.put" + (f" of {jax.tree_util.keystr(path)}" if path else "")
+        if isinstance(leaf, Array):
+            raise ProgramError(f"{what} got a pw.Array; use it directly, move it with pw.transfer, "
+                               "or fetch it first with np.asarray")
+        out.append(put_host(session, as_host_data(leaf, what), slice, spec, what))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def put_host(session: Session, host: HostData, slice: VirtualSlice, spec: P, what: str) -> Array:  # noqa: A002
+    """Send one converted host value to ``slice``, sharded by ``spec``: each host receives only its shards."""
+    check_spec(spec, host.shape, slice.shape, slice.axis_names, what)
+    array = host.data
     buffer_id = session.mint()
-    aval = Aval(tuple(array.shape), dtype.name)
-    if len(slice.hosts) == 1:
+    per_host = len(slice.hosts) > 1
+    if not per_host:
         refs = [ray.put(array)]
-        per_host = False
     else:  # scatter: each host of the slice receives only the shards its devices hold
         regions = owned_regions(array.shape, slice.desc(), spec)
         refs = [ray.put({index: np.asarray(array[tuple(np.s_[a:b] for a, b in index)], order="C")
                          for index in regions[h]}) for h in slice.hosts]
-        per_host = True
-    msg = Put(buffer_id, slice.desc(), spec_of(spec_to_wire(spec)), aval, per_host)
+    msg = Put(buffer_id, slice.desc(), spec_of(spec_to_wire(spec)), Aval(tuple(array.shape), array.dtype.name),
+              per_host)
     session.submit(slice.island, msg.encode(), refs)
-    return Array(session, buffer_id, array.shape, dtype, slice, spec, frozenset({slice.island}),
-                 session.epoch(slice.island))
+    return Array(session, buffer_id, host.shape, host.dtype, slice, spec, frozenset({slice.island}),
+                 weak_type=host.weak_type, key=host.key)
 
 
 def owned_regions(shape: tuple[int, ...], desc: SliceDesc, spec: P) -> dict[int, set]:
@@ -144,9 +285,8 @@ def owned_regions(shape: tuple[int, ...], desc: SliceDesc, spec: P) -> dict[int,
     return out
 
 
-def ensure_arrays(values: list, what: str) -> None:
-    for v in values:
-        if not isinstance(v, Array):
-            raise ProgramError(f"{what} takes pw.Array arguments; got {type(v).__name__}. Use pw.put(value, slice)")
-        if v._session.closed:
-            raise PathwaysError(f"{v} belongs to a session that was shut down")
+def check_usable(value: Array, what: str) -> None:
+    """Raise unless ``value`` can be an argument: not donated, its session open, its slice not released."""
+    value._check_live(what)
+    if value.slice.released:
+        raise ProgramError(f"{value} lives on slice {value.slice.key}, which was released; its buffers are gone")

@@ -4,43 +4,148 @@ Output ids are minted here, so the call returns ``pw.Array`` futures at
 once; islands accept fragments before their inputs exist and wait (bounded)
 for them. The session's outboxes (``client.outbox``) carry the messages,
 several per actor call while a scheduler is busy.
+
+Host values a program takes (numpy arrays, scalars, jax.Arrays) are put on
+their slices first, in the same order of messages, so each island has them
+before the fragment that reads them. ``Placements`` keeps the ones it can
+recognise, so a value passed on every call is sent once.
 """
 
 from __future__ import annotations
 
+import threading
 import time
+import weakref
+from collections import OrderedDict
 from typing import Any
 
 import jax
 
-from client.array import Array
+from client.array import Array, check_usable, put_host
+from client.host_values import HostData, as_host_data
 from client.lowering import lower, placement_of
-from client.session import current
-from client.tracer import Traced
-from pathways.errors import ProgramError
+from client.session import Session, current
+from client.tracer import Placement, Traced, norm_spec
 from pathways.graph import Program
 from pathways.messages import Call
 from pathways.ops import check_fits, spec_of
 from pathways.sharding import spec_to_wire
 
 
-def check_sizes(program: Program, session: Any) -> None:
+class Placements:
+    """Host values already on a slice, so that a value passed again is not sent again.
+
+    Two kinds of values are recognised: small ones (``host_values.SMALL_BYTES``,
+    64 KiB, or less) by content (dtype, shape and bytes), and ``jax.Array`` s,
+    which are immutable, by identity for as long as they live. Larger numpy
+    arrays may be changed in place between calls, so they are sent every time.
+    At most ``capacity`` values are kept, least recently used first out; a kept
+    value is freed on its island when it leaves.
+    """
+
+    def __init__(self, capacity: int = 256) -> None:
+        self.capacity = capacity
+        self._kept: OrderedDict[tuple, Array] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.sent = 0
+
+    def _get(self, key: tuple) -> Array | None:
+        with self._lock:
+            array = self._kept.get(key)
+            if array is not None:
+                if array.slice.released:
+                    del self._kept[key]
+                    return None
+                self._kept.move_to_end(key)
+                self.hits += 1
+            return array
+
+    def _keep(self, key: tuple, array: Array) -> None:
+        with self._lock:
+            self._kept[key] = array
+            while len(self._kept) > self.capacity:
+                self._kept.popitem(last=False)
+
+    def _forget(self, key: tuple) -> None:
+        with self._lock:
+            self._kept.pop(key, None)
+
+    def place(self, session: Session, where: Placement, value: Any, host: HostData | None, shareable: bool,
+              what: str) -> Array:
+        """``value`` (or the already converted ``host``) on ``where.slice`` as ``where.spec``."""
+        at = (where.slice.key, norm_spec(where.spec))
+        if shareable and isinstance(value, jax.Array):
+            key = ("id", id(value), *at)
+            array = self._get(key)
+            if array is not None:
+                return array
+            host = as_host_data(value, what)
+            array = put_host(session, host, where.slice, where.spec, what)
+            self.sent += 1
+            self._keep(key, array)
+            weakref.finalize(value, self._forget, key)  # the id may be reused once the value is gone
+            return array
+        if host is None:
+            host = as_host_data(value, what)
+        content = host.content_key() if shareable else None
+        if content is not None:
+            key = ("content", content, *at)
+            array = self._get(key)
+            if array is not None:
+                return array
+        array = put_host(session, host, where.slice, where.spec, what)
+        self.sent += 1
+        if content is not None:
+            self._keep(key, array)
+        return array
+
+
+_placements: weakref.WeakKeyDictionary[Session, Placements] = weakref.WeakKeyDictionary()
+
+
+def placements(session: Session) -> Placements:
+    """The session's cache of placed host values."""
+    cache = _placements.get(session)
+    if cache is None:
+        cache = _placements[session] = Placements()
+    return cache
+
+
+def _inputs(session: Session, traced: Traced, leaves: list) -> list[Array]:
+    """The program's inputs for this call: its pw.Array arguments, and its host values placed on their slices."""
+    cache = placements(session)
+    returned = traced.returned
+    inputs: list[Array] = []
+    for k, source in enumerate(traced.sources):
+        if isinstance(source, Placement):
+            kind, index = source.source
+            value = leaves[index] if kind == "arg" else None
+            host = traced.constants[index] if kind == "const" else None
+            what = f"{traced.program.name}: " + (f"argument {index}" if kind == "arg" else "a constant")
+            inputs.append(cache.place(session, source, value, host, k not in returned, what))
+        else:
+            inputs.append(leaves[source[1]])
+    for a in inputs:
+        check_usable(a, f"{traced.program.name} got")
+    return inputs
+
+
+def check_sizes(program: Program, session: Session) -> None:
     """ResourceError before anything is sent if a value the program makes cannot fit the hosts it lands on."""
     for node in program.nodes:
         for value in node.outputs:
-            desc = value.slice.desc()
-            check_fits(value.aval(), spec_of(spec_to_wire(value.spec)), desc, session.limits(value.slice.island),
+            check_fits(value.aval(), spec_of(spec_to_wire(value.spec)), value.slice.desc(),
+                       session.limits(value.slice.island),
                        f"{node.name} in program {program.name!r} (output {value.describe()})")
 
 
 def dispatch(traced: Traced, leaves: list) -> Any:
+    """Send one call of a traced program: its host values first, then one message per island; returns the
+    outputs as ``pw.Array`` futures at once. The pw.Arrays the program donates are gone afterwards."""
     session = current()
     program = traced.program
-    inputs = [leaf for leaf in leaves if isinstance(leaf, Array)]
-    for a in inputs:
-        if a.slice.released:
-            raise ProgramError(f"{a} lives on slice {a.slice.key}, which was released; its buffers are gone")
-        a.check_alive()
+    inputs = _inputs(session, traced, leaves)
     lowered = traced.lowered
     if lowered is None or lowered.placement != placement_of(program):
         start = time.time()
@@ -57,15 +162,18 @@ def dispatch(traced: Traced, leaves: list) -> Any:
         payload = Call(fragment.encoded, base, tuple(input_ids), exes, tuple(session.frees.take(island))).encode()
         session.submit(island, payload)
         sent.update(exes)
+    for index, to in traced.donated.items():  # after the call is on its way: the free must follow it
+        inputs[index]._donate(to)
     if session.events.enabled:
         session.events.span(f"dispatch {program.name}", "dispatch", start, time.time(),
                             islands=sorted(lowered.fragments), base=base)
     lineage = frozenset(program.islands).union(*(a.islands for a in inputs))
     outputs = []
-    for value in program.outputs:
+    for value, (key, weak) in zip(program.outputs, traced.out_meta):
         if value.slot < lowered.n_inputs:
             outputs.append(inputs[value.slot])
         else:
-            outputs.append(Array(session, base + value.slot, value.shape, value.dtype, value.slice, value.spec,
-                                 lineage, session.epoch(value.slice.island)))
+            outputs.append(Array(session, base + value.slot, value.shape[:len(value.shape) - len(key.data_shape)]
+                                 if key is not None else value.shape, value.dtype, value.slice, value.spec,
+                                 lineage, weak_type=weak, key=key))
     return jax.tree_util.tree_unflatten(program.out_tree, outputs)

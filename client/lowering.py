@@ -78,7 +78,7 @@ def lower(program: Program, exes: dict[str, bytes]) -> Lowered:
                               tuple(v.slot for v in node.outputs),
                               tuple(spec_of(spec_to_wire(s)) for s in node.in_specs),
                               tuple(spec_of(spec_to_wire(s)) for s in node.out_specs), node.name,
-                              donate=getattr(node, "donate", ())), *node.outputs)
+                              donate=node.donate), *node.outputs)
             used_exes.setdefault(island, {})[node.exe] = exes[node.exe]
         elif isinstance(node, Transfer):
             src, dst = node.source, node.target

@@ -13,17 +13,30 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from client.array import Array, ensure_arrays
+from client.array import Array, check_usable
+from client.host_values import (
+    PYTHON_SCALARS,
+    HostData,
+    KeyInfo,
+    as_host_data,
+    dtype_name,
+    host_aval,
+    is_host_value,
+    is_key_dtype,
+    key_info,
+    physical,
+)
+from client.slices import VirtualSlice
 from pathways.errors import ProgramError
 from pathways.graph import Compute, Program, Transfer, Value
-from pathways.sharding import spec_to_wire
+from pathways.sharding import check_spec, spec_to_wire
 
 _trace: contextvars.ContextVar[Trace | None] = contextvars.ContextVar("pathways_trace", default=None)
 _OWN_DIRS = tuple(os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep + d + os.sep
@@ -68,20 +81,10 @@ def norm_spec(spec: P) -> tuple:
     return tuple(tuple(e) if isinstance(e, list) else e for e in entries)
 
 
-class TracedValue:
-    """A value inside a program being traced: shape, dtype, slice and spec are known; contents are not."""
+class _Opaque:
+    """What a program body holds instead of contents: reading them is refused with the offending line."""
 
-    __slots__ = ("value", "trace")
-
-    def __init__(self, value: Value, trace: Trace) -> None:
-        self.value = value
-        self.trace = trace
-
-    shape = property(lambda self: self.value.shape)
-    dtype = property(lambda self: np.dtype(self.value.dtype))
-    slice = property(lambda self: self.value.slice)
-    spec = property(lambda self: self.value.spec)
-    ndim = property(lambda self: len(self.value.shape))
+    __slots__ = ()
 
     def _refuse(self, what: str) -> Any:
         raise ProgramError(
@@ -106,6 +109,9 @@ class TracedValue:
     def __iter__(self) -> Any:
         return self._refuse("iterating over")
 
+    def __len__(self) -> int:
+        return self._refuse("taking the length of")
+
     def item(self) -> Any:
         return self._refuse("reading an item of")
 
@@ -123,8 +129,72 @@ class TracedValue:
     __truediv__ = __rtruediv__ = __matmul__ = __rmatmul__ = __neg__ = __pow__ = _op
     __getitem__ = _op
 
+    ndim = property(lambda self: len(self.shape))
+    size = property(lambda self: int(np.prod(self.shape, dtype=np.int64)))
+
+    @property
+    def aval(self) -> tuple[tuple[int, ...], Any, bool]:
+        return self.shape, self.dtype, self.weak_type
+
+
+class TracedValue(_Opaque):
+    """A value inside a program being traced: shape, dtype, slice and spec are known; contents are not.
+
+    ``value`` is the graph's view (the buffer on the island: a key array's uint32 data); ``shape`` and
+    ``dtype`` are the user's (a key array's key shape and key dtype).
+    """
+
+    __slots__ = ("value", "trace", "key", "weak_type")
+
+    def __init__(self, value: Value, trace: Trace, key: KeyInfo | None = None, weak_type: bool = False) -> None:
+        self.value = value
+        self.trace = trace
+        self.key = key
+        self.weak_type = weak_type
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        shape = self.value.shape
+        return shape[:len(shape) - len(self.key.data_shape)] if self.key is not None else shape
+
+    @property
+    def dtype(self) -> Any:
+        return self.key.dtype if self.key is not None else np.dtype(self.value.dtype)
+
+    slice = property(lambda self: self.value.slice)
+    spec = property(lambda self: self.value.spec)
+
     def __repr__(self) -> str:
-        return f"TracedValue({self.value.describe()} on {self.value.slice.key}, spec={self.value.spec})"
+        return f"TracedValue({dtype_name(self.dtype)}{list(self.shape)} on {self.value.slice.key}, spec={self.spec})"
+
+
+class HostValue(_Opaque):
+    """A value from the client inside a program being traced: a numpy array or jax.Array argument of the
+    program (its contents arrive with each call), or a constant the body passed to a pw.jit function. It
+    has no slice yet: each pw.jit function that takes it places it on its own slice, per its in_specs."""
+
+    __slots__ = ("source", "shape", "dtype", "weak_type", "trace")
+
+    slice = None
+    spec = None
+
+    def __init__(self, source: tuple, aval: tuple, trace: Trace) -> None:
+        self.source = source  # ("arg", leaf index) or ("const", index into Trace.constants)
+        self.shape, self.dtype, self.weak_type = aval
+        self.trace = trace
+
+    def __repr__(self) -> str:
+        return f"HostValue({dtype_name(self.dtype)}{list(self.shape)}, not yet on a slice)"
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A program input that is a host value sent to ``slice`` as ``spec`` on each call."""
+
+    source: tuple  # as HostValue.source
+    slice: Any
+    spec: P
+    aval: tuple  # shape, dtype, weak_type of the value
 
 
 class Trace:
@@ -134,30 +204,75 @@ class Trace:
         self.program = Program(name)
         self.op_by_op = op_by_op
         self.exes: dict[str, bytes] = {}
+        self.sources: list = []  # per program input: ("array", leaf index) or a Placement
+        self.constants: list[HostData] = []
+        self._consts: dict[Any, HostValue] = {}
+        self._placed: dict[tuple, Value] = {}
         self._moved: dict[tuple, Value] = {}
         self._slots = 0
+        self.donations: list[tuple[int, tuple[int, ...]]] = []  # (node index, input positions it asks to donate)
 
     def new_value(self, shape: tuple[int, ...], dtype: np.dtype, slice: Any, spec: P) -> Value:  # noqa: A002
-        self._slots += 1  # slots are positions in program.values: inputs, then each node's outputs in order
+        self._slots += 1  # renumbered once the body returns, so that the program's inputs come first
         return Value(self._slots - 1, tuple(shape), np.dtype(dtype), slice, spec)
 
-    def call(self, fn: Any, args: tuple) -> Any:
-        leaves = jax.tree_util.tree_leaves(args)
-        for leaf in leaves:
-            if isinstance(leaf, TracedValue) and leaf.trace is self:
-                continue
-            if isinstance(leaf, Array):
-                raise ProgramError(f"{fn.name} got a pw.Array that is not an argument of the program, at "
-                                   f"{user_line()}; pass every pw.Array into the @pw.program as an argument")
-            raise ProgramError(f"{fn.name} takes pw.Array arguments; got {type(leaf).__name__} at {user_line()}")
-        if not leaves and fn.slice is None:
-            raise ProgramError(f"{fn.name} has no slice and no arguments to take one from; give pw.jit a slice")
-        target = fn.slice or leaves[0].slice
-        avals = [(leaf.shape, leaf.dtype) for leaf in leaves]
-        exported = fn.export(target, args, avals)
+    def add_input(self, shape: tuple[int, ...], dtype: np.dtype, slice: Any, spec: P, source: Any) -> Value:  # noqa: A002
+        value = self.new_value(shape, dtype, slice, spec)
+        self.program.inputs.append(value)
+        self.sources.append(source)
+        return value
+
+    def constant(self, value: Any, what: str) -> HostValue:
+        """A host value the body passes to a pw.jit function: captured now, sent with every call (cached)."""
+        host = as_host_data(value, what)
+        ident = host.content_key() or ("id", id(value))
+        hv = self._consts.get(ident)
+        if hv is None:
+            self.constants.append(host)
+            hv = self._consts[ident] = HostValue(("const", len(self.constants) - 1), host.aval, self)
+        return hv
+
+    def place(self, hv: HostValue, target: Any, spec: P) -> Value:
+        """The program input that carries ``hv`` to ``target`` as ``spec`` (one per destination)."""
+        key = (hv.source, target.key, norm_spec(spec))
+        value = self._placed.get(key)
+        if value is None:
+            shape, dtype = physical(hv.shape, hv.dtype)
+            value = self.add_input(shape, dtype, target, spec, Placement(hv.source, target, spec, hv.aval))
+            self._placed[key] = value
+        return value
+
+    def operand(self, leaf: Any, fn_name: str, where: str) -> TracedValue | HostValue:
+        """``leaf`` as a value of this trace, or a ProgramError saying why it cannot be one."""
+        if isinstance(leaf, (TracedValue, HostValue)):
+            if leaf.trace is not self:
+                raise ProgramError(f"{fn_name} got a value of another program being traced, at {user_line()}")
+            return leaf
+        if isinstance(leaf, Array):
+            raise ProgramError(f"{fn_name} got a pw.Array that is not an argument of the program, at "
+                               f"{user_line()}; pass every pw.Array into the @pw.program as an argument")
+        if is_host_value(leaf):
+            return self.constant(leaf, f"{fn_name}: {where}")
+        raise ProgramError(f"{fn_name}: {where} is a {type(leaf).__name__}, which is not an array, at {user_line()}; "
+                           "pass pw.Arrays, numpy or jax arrays, or scalars, or mark the argument static "
+                           "(static_argnums/static_argnames)")
+
+    def call(self, fn: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+        bound = fn.bind(args, kwargs)
+        paths = jax.tree_util.tree_flatten_with_path((bound.dyn_args, bound.dyn_kwargs))[0]
+        leaves = [self.operand(leaf, fn.name, f"argument {_path(path)}") for path, leaf in paths]
+        slices = [leaf.slice for leaf in leaves if isinstance(leaf, TracedValue)]
+        if fn.slice is None and not slices:
+            raise ProgramError(f"{fn.name} has no slice and no pw.Array argument to take one from, at "
+                               f"{user_line()}; give pw.jit a slice (pw.jit(fn, slice=s))")
+        target = fn.slice or slices[0]
+        exported = fn.export(target, bound, [leaf.aval for leaf in leaves])
         self.exes[exported.exe] = exported.blob
         inputs = []
         for leaf, spec in zip(leaves, exported.in_specs):
+            if isinstance(leaf, HostValue):
+                inputs.append(self.place(leaf, target, spec))
+                continue
             value = leaf.value
             if value.slice is not target or norm_spec(value.spec) != norm_spec(spec):
                 if self.op_by_op and value.slice is not target:
@@ -169,9 +284,14 @@ class Trace:
             inputs.append(value)
         outputs = [self.new_value(shape, dtype, target, spec)
                    for (shape, dtype), spec in zip(exported.out_avals, exported.out_specs)]
+        donate = tuple(k for k, flag in enumerate(bound.donate) if flag)
+        if donate:
+            self.donations.append((len(self.program.nodes), donate))
         self.program.nodes.append(Compute(fn.name, exported.exe, target, tuple(inputs), tuple(outputs),
                                           exported.in_specs, exported.out_specs))
-        return jax.tree_util.tree_unflatten(exported.out_tree, [TracedValue(v, self) for v in outputs])
+        results = [TracedValue(v, self, key, weak)
+                   for v, key, weak in zip(outputs, exported.out_keys, exported.out_weak)]
+        return jax.tree_util.tree_unflatten(exported.out_tree, results)
 
     def move(self, value: Value, target: Any, spec: P) -> Value:
         """A Transfer of ``value`` to ``target`` resharded as ``spec`` (one per destination)."""
@@ -183,16 +303,100 @@ class Trace:
             self._moved[key] = moved
         return moved
 
+    def finish(self) -> dict[int, str]:
+        """Settle donation and number the values (inputs first); returns {input index: function it was
+        donated to}.
+
+        A Compute keeps the donations it asked for only where that is safe: the value is used by no later
+        node, is not an output of the program, is not sent to another slice (sends run in the background),
+        is not passed twice to the same call, and is not a host value (those are the client's, and may be
+        cached)."""
+        program = self.program
+        nodes = program.nodes
+        last_read: dict[int, int] = {}
+        sent: set[int] = set()
+        for i, node in enumerate(nodes):
+            for v in node.inputs:
+                last_read[v.slot] = i
+            if isinstance(node, Transfer):
+                sent.add(node.source.slot)
+        keep = {v.slot for v in program.outputs} | sent
+        keep |= {v.slot for v, src in zip(program.inputs, self.sources) if isinstance(src, Placement)}
+        input_index = {v.slot: k for k, v in enumerate(program.inputs)}
+        donated_inputs: dict[int, str] = {}
+        for i, positions in self.donations:
+            node = nodes[i]
+            slots = [v.slot for v in node.inputs]
+            ok = tuple(p for p in positions
+                       if slots[p] not in keep and last_read[slots[p]] == i and slots.count(slots[p]) == 1)
+            if ok:
+                nodes[i] = replace(node, donate=ok)
+                for p in ok:
+                    if slots[p] in input_index:
+                        donated_inputs[input_index[slots[p]]] = node.name
+        self._renumber()
+        return donated_inputs
+
+    def _renumber(self) -> None:
+        program = self.program
+        order = [v.slot for v in program.inputs] + [v.slot for n in program.nodes for v in n.outputs]
+        if order == list(range(len(order))):
+            return
+        new = {old: k for k, old in enumerate(order)}
+
+        def r(v: Value) -> Value:
+            return replace(v, slot=new[v.slot])
+
+        program.inputs = [r(v) for v in program.inputs]
+        program.outputs = [r(v) for v in program.outputs]
+        program.nodes = [replace(n, source=r(n.source), target=r(n.target)) if isinstance(n, Transfer)
+                         else replace(n, inputs=tuple(map(r, n.inputs)), outputs=tuple(map(r, n.outputs)))
+                         for n in program.nodes]
+
+
+def _path(path: tuple) -> str:
+    """'x', 'scale', 'params['w']': an argument as the user wrote it, from its path in ((args), {kwargs})."""
+    if not path:
+        return "value"
+    head, rest = path[0], path[1:]
+    if getattr(head, "idx", None) == 0 and rest:  # positional
+        first, rest = f"{rest[0].idx}" if hasattr(rest[0], "idx") else str(rest[0]), rest[1:]
+    elif rest:
+        first, rest = str(getattr(rest[0], "key", rest[0])), rest[1:]
+    else:
+        first = ""
+    return first + jax.tree_util.keystr(rest)
+
 
 @dataclass
 class Traced:
+    """One traced signature of a program: its graph, the executables it calls, where each of its inputs comes
+    from on a call, and what dispatch needs to make its outputs (lowered lazily, per placement)."""
+
     program: Program
     exes: dict[str, bytes]
+    sources: list  # per program input: ("array", leaf index) or a Placement
+    constants: list[HostData]
+    donated: dict[int, str]  # program input index -> the function it is donated to
+    out_meta: list[tuple[KeyInfo | None, bool]]  # per output: key info, weak_type
     lowered: Any = None
+
+    @property
+    def returned(self) -> set[int]:
+        """Program inputs that are also outputs: a host value placed for one is never shared through the cache."""
+        n = len(self.program.inputs)
+        return {v.slot for v in self.program.outputs if v.slot < n}
 
 
 class ProgramFunction:
-    """What ``@pw.program`` returns: traces once per signature, then dispatches on every call."""
+    """What ``@pw.program`` returns: traces once per signature, then dispatches on every call.
+
+    Arguments: pytrees of pw.Arrays; numpy arrays, numpy scalars and jax.Arrays (sent to the slice of
+    each pw.jit function that takes them, per its in_specs, on every call; small ones are cached by
+    content); and other hashable values, which are static: the body sees them as they are, so Python
+    control flow may depend on them, and each distinct value traces the program anew. Python scalars
+    are static in a program; a pw.jit function called alone takes them as (weakly typed) arrays.
+    """
 
     def __init__(self, fn: Callable, name: str | None = None, op_by_op: bool = False) -> None:
         self.fn = fn
@@ -201,49 +405,65 @@ class ProgramFunction:
         self._cache: dict[Any, Traced] = {}
         self._last: Traced | None = None
 
-    def _signature(self, args: tuple) -> tuple[list, Any, Any]:
-        leaves, treedef = jax.tree_util.tree_flatten(args)
-        sig = []
-        for leaf in leaves:
+    def _signature(self, args: tuple, kwargs: dict[str, Any]) -> tuple[list, Any, Any]:
+        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+        sig: list = []
+        first: dict[int, int] = {}
+        for k, leaf in enumerate(leaves):
             if isinstance(leaf, Array):
-                sig.append((leaf.shape, leaf.dtype.str, leaf.slice.key, norm_spec(leaf.spec)))
-            elif isinstance(leaf, (np.ndarray, jax.Array)):
-                ensure_arrays([leaf], f"@pw.program {self.name}")
+                check_usable(leaf, f"{self.name} got")
+                sig.append(("array", leaf.shape, str(leaf.dtype), leaf.weak_type, leaf.slice.key,
+                            norm_spec(leaf.spec), first.setdefault(leaf.id, k)))
+            elif is_host_value(leaf) and (self.op_by_op or type(leaf) not in PYTHON_SCALARS):
+                sig.append(("host", *host_aval(leaf)))
+            elif isinstance(leaf, _Opaque):
+                raise ProgramError(f"{self.name} got a value of a program being traced; call it inside that "
+                                   "program's body, where it is inlined")
             else:
                 try:
                     hash(leaf)
                 except TypeError:
-                    raise ProgramError(f"{self.name}: argument {leaf!r} is neither a pw.Array nor a hashable "
+                    raise ProgramError(f"{self.name}: argument {leaf!r} is neither an array nor a hashable "
                                        "static value") from None
-                sig.append(("static", leaf))
+                sig.append(("static", type(leaf), leaf))
         return leaves, treedef, (treedef, tuple(sig))
 
     def _trace(self, leaves: list, treedef: Any) -> Traced:
         trace = Trace(self.name, self.op_by_op)
-        traced_args = []
-        for leaf in leaves:
+        traced_args: list = []
+        by_id: dict[int, TracedValue] = {}
+        for k, leaf in enumerate(leaves):
             if isinstance(leaf, Array):
-                value = trace.new_value(leaf.shape, leaf.dtype, leaf.slice, leaf.spec)
-                trace.program.inputs.append(value)
-                traced_args.append(TracedValue(value, trace))
+                tv = by_id.get(leaf.id)
+                if tv is None:  # the same pw.Array passed twice is one input
+                    shape, dtype = leaf.physical
+                    value = trace.add_input(shape, dtype, leaf.slice, leaf.spec, ("array", k))
+                    tv = by_id[leaf.id] = TracedValue(value, trace, leaf._key, leaf.weak_type)
+                traced_args.append(tv)
+            elif is_host_value(leaf) and (self.op_by_op or type(leaf) not in PYTHON_SCALARS):
+                traced_args.append(HostValue(("arg", k), host_aval(leaf), trace))
             else:
                 traced_args.append(leaf)
         token = _trace.set(trace)
         try:
-            out = self.fn(*jax.tree_util.tree_unflatten(treedef, traced_args))
+            args, kwargs = jax.tree_util.tree_unflatten(treedef, traced_args)
+            out = self.fn(*args, **kwargs)
         finally:
             _trace.reset(token)
         out_leaves, out_tree = jax.tree_util.tree_flatten(out)
         for leaf in out_leaves:
             if not (isinstance(leaf, TracedValue) and leaf.trace is trace):
-                raise ProgramError(f"@pw.program {self.name} returned {type(leaf).__name__}; a program returns "
-                                   "values computed by pw.jit functions (or its own arguments)")
+                what = "a host value it was given" if isinstance(leaf, HostValue) else type(leaf).__name__
+                raise ProgramError(f"@pw.program {self.name} returned {what}; a program returns values computed "
+                                   "by pw.jit functions (or its own pw.Array arguments)")
         trace.program.outputs = [leaf.value for leaf in out_leaves]
         trace.program.out_tree = out_tree
-        return Traced(trace.program, trace.exes)
+        donated = trace.finish()
+        return Traced(trace.program, trace.exes, trace.sources, trace.constants, donated,
+                      [(leaf.key, leaf.weak_type) for leaf in out_leaves])
 
-    def _traced(self, args: tuple) -> tuple[Traced, list]:
-        leaves, treedef, key = self._signature(args)
+    def _traced(self, args: tuple, kwargs: dict[str, Any]) -> tuple[Traced, list]:
+        leaves, treedef, key = self._signature(args, kwargs)
         traced = self._cache.get(key)
         if traced is None:
             start = time.time()
@@ -259,21 +479,21 @@ class ProgramFunction:
         """The graph this function traced most recently, if it ever ran."""
         return None if self._last is None else self._last.program
 
-    def graph(self, *args: Any) -> Program:
+    def graph(self, *args: Any, **kwargs: Any) -> Program:
         """The Program this function traces to for these arguments (traced once, then cached).
 
         With no arguments: the most recently traced graph.
         """
-        if not args and self._last is not None:
+        if not args and not kwargs and self._last is not None:
             return self._last.program
-        return self._traced(args)[0].program
+        return self._traced(args, kwargs)[0].program
 
-    def __call__(self, *args: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if current_trace() is not None:
-            return self.fn(*args)  # a program called from a program is inlined into the outer graph
+            return self.fn(*args, **kwargs)  # a program called from a program is inlined into the outer graph
         from client.dispatch import dispatch
 
-        traced, leaves = self._traced(args)
+        traced, leaves = self._traced(args, kwargs)
         return dispatch(traced, leaves)
 
 
@@ -286,11 +506,24 @@ def transfer(value: Any, slice: Any, spec: P | None = None) -> Any:  # noqa: A00
     Inside a program the transfer joins the graph here: the send still leaves
     right after the value is produced (sends never wait), and the receiving
     island takes the value at this point in its order. Outside a program it
-    runs as a one-transfer program.
+    runs as a one-transfer program. A host value (numpy, jax.Array) is sent
+    to the slice like ``pw.put`` (default spec: replicated).
     """
+    if not isinstance(slice, VirtualSlice):
+        raise ProgramError(f"pw.transfer needs a VirtualSlice from pw.slice(...) to move to, got "
+                           f"{type(slice).__name__}")
+    if slice.released:
+        raise ProgramError(f"pw.transfer: {slice} was released; allocate a new slice")
+    if spec is not None and not isinstance(spec, P):
+        raise ProgramError(f"pw.transfer: spec must be a jax.sharding.PartitionSpec (or None to keep the value's "
+                           f"own), got {spec!r}")
     trace = current_trace()
     if trace is None:
         leaves = jax.tree_util.tree_leaves(value)
+        for leaf in leaves:
+            target_spec = spec if spec is not None else getattr(leaf, "spec", None) or P()
+            shape = leaf.shape if hasattr(leaf, "shape") else np.shape(leaf)
+            check_spec(target_spec, tuple(shape), slice.shape, slice.axis_names, "pw.transfer")
         key = (slice.key, None if spec is None else norm_spec(spec), len(leaves))
         fn = _moves.get(key)
         if fn is None:
@@ -298,17 +531,27 @@ def transfer(value: Any, slice: Any, spec: P | None = None) -> Any:  # noqa: A00
         return fn(value)
 
     def move(leaf: Any) -> TracedValue:
-        if not (isinstance(leaf, TracedValue) and leaf.trace is trace):
+        if isinstance(leaf, Array) or not (isinstance(leaf, _Opaque) or is_host_value(leaf)):
             raise ProgramError(f"pw.transfer inside a program takes its values, got {type(leaf).__name__} "
                                f"at {user_line()}")
-        target_spec = leaf.spec if spec is None else spec
+        leaf = trace.operand(leaf, "pw.transfer", "value")
+        target_spec = (leaf.spec if isinstance(leaf, TracedValue) else P()) if spec is None else spec
+        check_spec(target_spec, leaf.shape, slice.shape, slice.axis_names, f"pw.transfer at {user_line()}")
+        if isinstance(leaf, HostValue):
+            key = key_info(leaf.dtype) if is_key_dtype(leaf.dtype) else None
+            return TracedValue(trace.place(leaf, slice, target_spec), trace, key, leaf.weak_type)
         if leaf.slice is slice and norm_spec(leaf.spec) == norm_spec(target_spec):
             return leaf
-        return TracedValue(trace.move(leaf.value, slice, target_spec), trace)
+        return TracedValue(trace.move(leaf.value, slice, target_spec), trace, leaf.key, leaf.weak_type)
 
     return jax.tree_util.tree_map(move, value)
 
 
 def program(fn: Callable) -> ProgramFunction:
-    """Decorate a function that calls pw.jit functions: each call runs it as one dataflow program."""
+    """Decorate a function that calls pw.jit functions: each call runs it as one dataflow program.
+
+    See ``ProgramFunction`` for what its arguments may be. A pw.jit function inside that donates an
+    argument (``donate_argnums``) donates it only where that is safe within the program; a donated
+    pw.Array argument of the program is gone once the program is dispatched.
+    """
     return ProgramFunction(fn)

@@ -47,6 +47,7 @@ class Compute:
     outputs: tuple[Value, ...]
     in_specs: tuple[P, ...]
     out_specs: tuple[P, ...]
+    donate: tuple[int, ...] = ()  # input positions whose buffers the call may reuse (their last use)
 
 
 @dataclass(frozen=True)

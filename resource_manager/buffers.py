@@ -121,6 +121,16 @@ class BufferTable:
         """Whether an op other than the one running now still reads or writes this buffer."""
         return self._uses.get(buffer_id, 0) > 1
 
+    def hold(self, ids: list[int]) -> None:
+        """Count one more use of these buffers (a send still reading them in the background): no free drops
+        them and no call donates them until ``release``."""
+        with self._cond:
+            self.add_uses(ids)
+
+    def release(self, ids: list[int]) -> None:
+        with self._cond:
+            self.done_using(ids)
+
     def fail_range(self, lo: int, hi: int, tenant: str, failure: Failure) -> None:
         """Ids ``lo`` to ``hi - 1`` of a refused message: waits for any of them return ``failure``."""
         with self._cond:

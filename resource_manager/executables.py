@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import re
 import threading
+import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -140,8 +141,10 @@ class ExecutableCache:
         in_sh = tuple(NamedSharding(mesh, spec_from_wire(s)) for s in in_specs)
         out_sh = tuple(NamedSharding(mesh, spec_from_wire(s)) for s in out_specs)
         avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(exported.in_avals, in_sh)]
-        compiled = jax.jit(exported.call, in_shardings=in_sh, out_shardings=out_sh,
-                           donate_argnums=donate).lower(*avals).compile()
+        with warnings.catch_warnings():  # a donated input no output can reuse is simply not reused
+            warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+            compiled = jax.jit(exported.call, in_shardings=in_sh, out_shardings=out_sh,
+                               donate_argnums=donate).lower(*avals).compile()
         stats = compiled.memory_analysis()
         out_bytes = 0 if stats is None else int(stats.output_size_in_bytes + stats.temp_size_in_bytes)
         code = 0 if stats is None else int(stats.generated_code_size_in_bytes)

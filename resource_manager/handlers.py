@@ -207,8 +207,16 @@ class Handlers:
         if self.peers.linked(op.island, [r.to for r in routes]):
             self._deliver_all(*args)  # a frame on a socket: cheaper than a hand-off to the sender threads
         else:
-            self._sender.submit(self._deliver_all, *args)
+            held = [run.rid(op.source)]  # still read in the background: no later call may donate it meanwhile
+            self.table.hold(held)
+            self._sender.submit(self._deliver_then_release, held, *args)
         return True
+
+    def _deliver_then_release(self, held: list[int], *args: Any) -> None:
+        try:
+            self._deliver_all(*args)
+        finally:
+            self.table.release(held)
 
     def send_failure(self, run: Run, op: Send, failure: Failure) -> None:
         """The value a send would carry failed: its receivers get the failure instead of waiting."""

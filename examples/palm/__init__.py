@@ -3,6 +3,8 @@
 Pure JAX, no runtime: ``config`` (shapes), ``model`` (the architecture and its
 staged backward), ``data`` (byte-level stdlib text), ``optim`` (PaLM's
 Adafactor), ``flops`` (MFU). On the runtime: ``step`` (the two-pod
-``@pw.program``), ``peak`` (the peak FLOP/s of the pods), ``train`` (the
-loop and its command line), with ``checkpoint``, ``spikes`` and ``logs``.
+``@pw.program``, donating parameters and optimizer state), ``peak`` (the
+peak FLOP/s of the pods), ``train`` (the loop and its command line), with
+``checkpoint``, ``spikes`` and ``logs``; ``memory`` (peak buffer bytes with
+and without donation).
 """

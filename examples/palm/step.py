@@ -136,8 +136,12 @@ class Functions:
 
 
 @functools.lru_cache(maxsize=8)
-def functions(config: PalmConfig, optim_config: optim.OptimConfig) -> Functions:
-    """Build (once per config) the pw.jit functions; their exports are shared by every slice of shape (2, 2)."""
+def functions(config: PalmConfig, optim_config: optim.OptimConfig, donate: bool = True) -> Functions:
+    """Build (once per config) the pw.jit functions; their exports are shared by every slice of shape (2, 2).
+
+    With ``donate``, the optimizer update donates the parameters and optimizer state it replaces, so each
+    pod holds one copy of them through a step instead of two.
+    """
     shapes = jax.eval_shape(lambda k: model.init_params(config, k), jax.random.key(0))
     specs = model.param_specs(shapes, DATA, MODEL)
     opt_shapes = jax.eval_shape(lambda p: optim.init_opt_state(p, optim_config), shapes)
@@ -191,7 +195,8 @@ def functions(config: PalmConfig, optim_config: optim.OptimConfig) -> Functions:
         pack_group={n: pw.jit(lambda g, n=n: pack_shards(g, [layer_spec] * n), in_specs=([layer_spec] * n,),
                               out_specs=SHARDS, name=f"pack_group{n}") for n in sizes},
         apply={pods: pw.jit(apply, in_specs=(specs, opt_specs) + (grads_specs,) * pods,
-                            out_specs=(specs, opt_specs, P()), name=f"apply_{pods}pod")
+                            out_specs=(specs, opt_specs, P()), name=f"apply_{pods}pod",
+                            donate_argnums=(0, 1) if donate else ())
                for pods in (1, 2)},
         eval_loss=pw.jit(eval_loss, in_specs=(specs, batch_specs), out_specs=P(), name="eval_loss"),
         exchange_buffer=pw.jit(lambda g: g, in_specs=(grads_specs,), out_specs=grads_specs,
@@ -211,10 +216,14 @@ class PodState:
 
 
 class TrainStep:
-    """The step program bound to one slice per pod. Call it with a PodState and a global numpy batch."""
+    """The step program bound to one slice per pod. Call it with a PodState and a global numpy batch.
+
+    With ``donate`` (the default) a step consumes the PodState it is given: its parameters and optimizer
+    state are donated to the update, so read (fetch, checkpoint, evaluate) a state before the next step.
+    """
 
     def __init__(self, config: PalmConfig, optim_config: optim.OptimConfig, slices: Sequence[pw.VirtualSlice],
-                 overlap: bool = True) -> None:
+                 overlap: bool = True, donate: bool = True) -> None:
         if len(slices) not in (1, 2):
             raise ValueError(f"PaLM's step runs on one or two pods, got {len(slices)} slices")
         for s in slices:
@@ -223,7 +232,8 @@ class TrainStep:
         self.config, self.optim_config = config, optim_config
         self.slices = list(slices)
         self.overlap = overlap
-        self.fns = functions(config, optim_config)
+        self.donate = donate
+        self.fns = functions(config, optim_config, donate)
         self.program = pw.program(self._step)
         self.program.name = f"palm_step_{len(slices)}pod" + ("_overlap" if overlap and len(slices) > 1 else "")
 

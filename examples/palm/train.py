@@ -53,6 +53,7 @@ class TrainOptions:
     batch: int = 16
     seed: int = 0
     overlap: bool = True
+    donate: bool = True  # each step donates the parameters and optimizer state it replaces
     optimizer: optim.OptimConfig = optim.OptimConfig()
     eval_every: int = 50
     eval_batches: int = 2
@@ -131,7 +132,7 @@ class Trainer:
         self.opts = opts
         self.config = opts.model_config
         self.slices = [pw.slice((2, 2), ("data", "model"), island=p) for p in range(opts.pods)]
-        self.step_fn = TrainStep(self.config, opts.optimizer, self.slices, overlap=opts.overlap)
+        self.step_fn = TrainStep(self.config, opts.optimizer, self.slices, overlap=opts.overlap, donate=opts.donate)
         self.result = TrainResult(steps=0)
         self.detector = SpikeDetector(opts.spike)
         self.injected = False
@@ -236,12 +237,27 @@ class Trainer:
             logs.plot_losses(opts.log_path, os.path.join(opts.out, "loss.png"))
         return self.result
 
+    def _reads_state(self, step: int) -> bool:
+        """Whether the state after ``step`` updates is checkpointed or evaluated once its step lands."""
+        opts = self.opts
+        return (step % opts.ckpt_every == 0 and step < opts.steps) or step % opts.eval_every == 0
+
     def _loop(self, state: PodState, step: int, data_pos: int, bar: tqdm) -> tuple[PodState, int, int]:
-        """Dispatch step n+1 before reading step n's loss, so the pods never wait for the client."""
+        """Dispatch step n+1 before reading step n's loss, so the pods never wait for the client.
+
+        Each step donates the state it starts from, so a state that is checkpointed or evaluated is read
+        (its step finished) before the next step is dispatched.
+        """
         opts = self.opts
         pending: _InFlight | None = None
         self._last_landed = time.perf_counter()
         while True:
+            if pending is not None and self.step_fn.donate and self._reads_state(pending.step):
+                restored, pending = self._finish(pending, bar), None
+                if restored is not None:
+                    state, step, data_pos = restored
+                    bar.n = step
+                    bar.refresh()
             current = None
             if step < opts.steps:
                 batch = data.batch(data_pos, opts.seed, opts.batch, self.config.seq_len)
@@ -336,6 +352,8 @@ def parse_args(argv: list[str] | None = None) -> TrainOptions:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--no-overlap", action="store_true",
                    help="exchange gradients after the whole backward (as PaLM did) instead of group by group")
+    p.add_argument("--no-donate", action="store_true",
+                   help="keep each step's input parameters and optimizer state (two copies on every pod)")
     p.add_argument("--lr", type=float, default=d.optimizer.peak_lr)
     p.add_argument("--const-steps", type=int, default=d.optimizer.const_steps,
                    help="steps at the peak learning rate before the 1/sqrt(step) decay")
@@ -356,6 +374,7 @@ def parse_args(argv: list[str] | None = None) -> TrainOptions:
     a = p.parse_args(argv)
     return TrainOptions(
         config=a.config, pods=a.pods, steps=a.steps, batch=a.batch, seed=a.seed, overlap=not a.no_overlap,
+        donate=not a.no_donate,
         optimizer=dataclasses.replace(d.optimizer, peak_lr=a.lr, const_steps=a.const_steps),
         eval_every=a.eval_every, eval_batches=a.eval_batches,
         out=a.out or os.path.join("runs", f"palm_{a.config}_{a.pods}pod"), ckpt_every=a.ckpt_every,

@@ -46,8 +46,16 @@ def check(value: Any, schema: Any, path: str) -> None:
     _validate(value, _compile(schema), path)
 
 
+def _declare_all() -> None:
+    """Load the modules that declare the runtime's message kinds (once; they import this module)."""
+    if "reply" not in _SCHEMAS:
+        import pathways.messages  # noqa: F401
+        import pathways.ops  # noqa: F401
+
+
 def encode(kind: str, body: dict[str, Any]) -> bytes:
     """Pack ``body`` as a message of ``kind``; the version and kind are added here."""
+    _declare_all()
     msg = {"v": VERSION, "kind": kind, **body}
     _validate(msg, _schema(kind), kind)
     return msgpack.packb(msg, use_bin_type=True)
@@ -73,6 +81,7 @@ def decode(data: Any, *kinds: str) -> dict[str, Any]:
             "Run the same pathways release on the client and the cluster."
         )
     kind = msg.get("kind")
+    _declare_all()
     if kind not in _SCHEMAS or (kinds and kind not in kinds):
         expected = ", ".join(kinds or sorted(_SCHEMAS))
         raise WireFormatError(f"unexpected message kind {kind!r}; expected one of: {expected}")

@@ -41,7 +41,8 @@ class Fuzzer:
     def __init__(self, session: Any, s: pw.VirtualSlice, seed: int) -> None:
         self.session, self.slice, self.rng = session, s, random.Random(seed)
         f = pw.jit(lambda a, b: a * b + 1.0, slice=s, name="fuzzed")
-        exported = f.export(s, (0.0, 0.0), [((8,), np.dtype(np.float32))] * 2)
+        x = np.zeros(8, np.float32)
+        exported = f.export(s, f.bind((x, x), {}), [((8,), np.dtype(np.float32), False)] * 2)
         self.exe, self.blob = exported.exe, exported.blob
         desc = s.desc()
         op = Exec(self.exe, desc.key, (0, 1), (2,), ((), ()), ((),), "fuzzed")

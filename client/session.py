@@ -156,6 +156,13 @@ class Session:
     def hosts_of(self, island: int, host_ids: Sequence[int]) -> list[Any]:
         return [self.islands[island].hosts[h] for h in host_ids]
 
+    def usage(self, island: int, host: int = 0, reset_peak: bool = False) -> dict:
+        """This tenant's buffers, bytes and peak bytes on one host (``reset_peak``: the peak starts again
+        from now), and its executables there. Peaks measure a step's memory: reset, run, read."""
+        mac = self.sign("usage", int(reset_peak))
+        return ray.get(self.islands[island].hosts[host].usage.remote(self.client_id, mac, reset_peak),
+                       timeout=self.timeouts.fetch)
+
     def epoch(self, island: int) -> int:
         return self.islands[island].epoch
 

@@ -37,7 +37,7 @@ from resource_manager.registry import Registry, check_name, check_quota, check_w
 PING_TIMEOUT = 2.0
 LEASE_PERIOD = 1.0
 ISLAND_CHECK_S = 1.0
-CENSUS_S = 5.0
+CENSUS_S = 1.0  # how often the buffers each tenant holds are counted (what a restart says was lost)
 STRIKES = 3  # health checks in a row without an answer before a host counts as failed
 RESTART_TIMEOUT = 120.0
 RESTART_RETRY_S = 15.0

@@ -27,12 +27,6 @@ def host_stats(session, island: int, host: int = 0) -> dict:
     return ray.get(session.islands[island].hosts[host].stats.remote(), timeout=30)
 
 
-def usage(session, island: int, host: int = 0) -> dict:
-    """This session's tenant's buffers, bytes and peak on one host."""
-    return ray.get(session.islands[island].hosts[host].usage.remote(session.client_id, session.sign("usage", 0)),
-                   timeout=30)
-
-
 def tenant_env(tenant: str, weight: float = 1.0, quota: int | None = None) -> dict:
     """The environment of a client process acting as ``tenant`` on this session's cluster: the tenant is
     registered (or re-keyed) by this process, which started the runtime and so is its admin."""

@@ -55,8 +55,9 @@ class Host:
     def function(self, fn, n_inputs: int) -> str:
         vs = VirtualSlice(None, {"key": "s1", "shape": [2], "axes": ["x"], "island": 0, "devices": [[0, 0], [0, 1]],
                                  "tenant": TENANT})
-        exported = CompiledFunction(fn, vs, None, None).export(vs, (0.0,) * n_inputs, [((4,), np.dtype("float32"))]
-                                                               * n_inputs)
+        f = CompiledFunction(fn, vs, None, None)
+        x = np.zeros(4, np.float32)
+        exported = f.export(vs, f.bind((x,) * n_inputs, {}), [((4,), np.dtype("float32"), False)] * n_inputs)
         self.exes.add(TENANT, exported.exe, exported.blob)
         return exported.exe
 

@@ -37,7 +37,7 @@ def intruder(cluster):
 
 def its_output(session: Session, s: VirtualSlice, buffer_id: int) -> Array:
     """A handle on a buffer the session's raw message should have produced (or failed)."""
-    return Array(session, buffer_id, (8,), np.float32, s, P(), frozenset({0}), session.epoch(0))
+    return Array(session, buffer_id, (8,), np.float32, s, P(), frozenset({0}))
 
 
 @pytest.mark.parametrize("case, error, words", [
@@ -105,7 +105,7 @@ def test_an_absurd_output_shape_is_a_resource_error_not_an_abort(cluster, intrud
     # a client that skips its own check: the host refuses before it compiles, and lives
     session, mine = intruder
     huge = pw.jit(lambda: jnp.zeros((2**31, 2**31), jnp.float32), slice=mine, name="huge")
-    exported = huge.export(mine, (), [])
+    exported = huge.export(mine, huge.bind((), {}), [])
     from pathways.ops import Exec, Template
     desc = mine.desc()
     template = Template("huge", 0, 1, {desc.key: desc}, (Exec(exported.exe, desc.key, (), (0,), (), ((),), "huge"),))

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import host_stats, settle
+from conftest import settle
 from jax.sharding import PartitionSpec as P
 
 import pathways as pw
@@ -146,9 +146,6 @@ def test_donated_argument_is_gone_and_its_buffer_left_the_host(cluster, s):
 
 
 def test_donation_lowers_peak_buffer_bytes_by_one_copy(cluster, s):
-    import ray
-
-    host = cluster.islands[0].hosts[0]
     n = 1 << 20  # 4 MiB of float32
     step = {d: pw.jit(lambda p, g: p - 0.1 * g, slice=s, donate_argnums=d) for d in ((), (0,))}
     peaks = {}
@@ -158,11 +155,10 @@ def test_donation_lowers_peak_buffer_bytes_by_one_copy(cluster, s):
         g.block_until_ready()
         gc.collect()
         settle(cluster, islands=(0,))  # earlier tests' frees land before the peak starts
-        ray.get(host.reset_peak.remote())
-        base = host_stats(cluster, 0)["buffer_bytes"]
+        base = cluster.usage(0, reset_peak=True)["buffer_bytes"]
         out = fn(p, g)
         close(out.fetch()[:4], np.full(4, 0.9, np.float32))
-        peaks[d] = host_stats(cluster, 0)["peak_buffer_bytes"] - base
+        peaks[d] = cluster.usage(0)["peak_buffer_bytes"] - base
         del p, g, out
     assert peaks[()] > 0.99 * 4 * n  # a new buffer beside both inputs
     assert peaks[(0,)] < 0.01 * 4 * n  # the output took the donated buffer's place

@@ -7,8 +7,8 @@ the old ones, so a pod holds two copies of them at the end of a step. With
 donation (the default in ``TrainStep``), the update takes the old buffers, so
 the peak drops by about one copy of the parameters and optimizer state. Each
 host's buffer table counts the bytes it holds; the peak is read after one
-step that starts from a settled table (``Host.reset_peak`` and
-``stats()["peak_buffer_bytes"]``).
+step that starts from a settled table (``session.usage(island, reset_peak=True)``,
+then ``session.usage(island)["peak_buffer_bytes"]``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import time
 
 import jax
 import numpy as np
-import ray
 
 import pathways as pw
 from examples.palm import data, model, optim
@@ -29,17 +28,13 @@ from examples.palm.step import TrainStep
 DEVICES_PER_POD = 4
 
 
-def _host_stats(session: object, island: int) -> dict:
-    return ray.get(session.islands[island].hosts[0].stats.remote(), timeout=60)
-
-
 def _settled(session: object, islands: list[int]) -> list[int]:
     """Buffer bytes per pod once the frees of dropped handles have landed (two equal readings in a row)."""
     last = None
     for _ in range(50):
         session.frees.flush()
         time.sleep(0.2)
-        now = [_host_stats(session, i)["buffer_bytes"] for i in islands]
+        now = [session.usage(i)["buffer_bytes"] for i in islands]
         if now == last:
             return now
         last = now
@@ -65,11 +60,11 @@ def measure(config_name: str, pods: int, batch: int, donate: bool, warmup: int =
         batch_arrays = data.batch(warmup, 0, batch, config.seq_len)
         base = _settled(session, islands)
         for i in islands:
-            ray.get(session.islands[i].hosts[0].reset_peak.remote(), timeout=60)
+            session.usage(i, reset_peak=True)
         state, _, norms = step(state, batch_arrays)
         for n in norms:
             n.block_until_ready()
-        peaks = [_host_stats(session, i)["peak_buffer_bytes"] for i in islands]
+        peaks = [session.usage(i)["peak_buffer_bytes"] for i in islands]
         del state, norms
         return {"donate": donate, "state_bytes": state_bytes, "base_bytes": base, "peak_bytes": peaks}
     finally:

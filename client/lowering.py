@@ -84,6 +84,7 @@ def lower(program: Program, exes: dict[str, bytes]) -> Lowered:
                                          "island": dst.slice.island, "routes": routes}, src)
             emit(dst.slice.island, {"op": "recv", "out": dst.slot, "slice": dst.slice.key,
                                     "spec": spec_to_wire(dst.spec), "src": src.slice.island, "expect": expect,
+                                    "routes": routes,  # which source host may send which shards to which host
                                     "aval": {"shape": list(dst.shape), "dtype": dst.dtype.name}}, dst)
     n_inputs = len(program.inputs)
     keep = {v.slot for v in program.outputs} | set(range(n_inputs))

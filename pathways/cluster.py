@@ -28,6 +28,7 @@ class HostStatus:
     bytes_out: int = 0
     peak_buffer_bytes: int = 0
     ip: str = ""
+    data: str = ""  # the host's data server (ip:port) for peers on other nodes; "" when it runs none
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,7 @@ def status(timeout: float = 10.0) -> ClusterStatus:
                     "busy_fraction", "bytes_in", "bytes_out", "peak_buffer_bytes")
             hosts.append(HostStatus(island=info["island"], host=info["host"], node=info["node"],
                                     devices=info["devices"], alive=alive, ip=info.get("ip", ""),
+                                    data=info.get("data", ""),
                                     **{k: stats[k] for k in keys if k in stats}))
         depth = sched.get("queued", 0) + max((h.queue_depth for h in hosts), default=0)
         islands.append(IslandStatus(isl["index"], isl["healthy"], isl["reason"], hosts, depth,

@@ -34,7 +34,8 @@ OPS: dict[str, dict] = {
              "in_specs": ("list", SPEC), "out_specs": ("list", SPEC), "name": str, "frees": FREES},
     "send": {"in": int, "key": int, "island": int, "routes": ("list", ROUTE), "frees": FREES},
     "recv": {"out": int, "slice": str, "spec": SPEC, "aval": AVAL, "src": int,
-             "expect": ("list", ("list", int)), "frees": FREES},
+             "expect": ("list", ("list", int)), "frees": FREES,
+             "routes": ("opt", ("list", ROUTE))},  # the senders' routes: what the network path accepts from whom
     "reshard": {"in": int, "out": int, "slice": str, "spec": SPEC, "frees": FREES},
 }
 

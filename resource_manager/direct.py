@@ -12,8 +12,9 @@ rows of several destination shards). Then the lease goes back and the sender
 lets go of the arrays.
 
 A route uses this path only after a probe showed that the receiver runs on the
-same Ray node and may read this process (ptrace permissions allow it);
-otherwise shards go through the object store.
+same Ray node and may read this process (ptrace permissions allow it). Peers
+on other nodes get the shards over the network path (``network``) when both
+run it; otherwise shards go through the object store.
 """
 
 from __future__ import annotations
@@ -27,13 +28,16 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from pathways import wire
 from pathways.sharding import Index, intersection
 from resource_manager.channel import Channel
+
+if TYPE_CHECKING:
+    from resource_manager.network.path import NetworkPath
 
 MIN_BYTES = 100 * 1024  # below this Ray sends the bytes inline with the message, which is cheaper
 CHUNK = 4 * 2**20  # bytes per read call: big copies are split over several threads
@@ -207,14 +211,17 @@ class Peers:
     """How this host's shards reach peer hosts, and the shards it lent to peers on this node.
 
     A peer on this node that passed the probe gets frames on the channel: small shards inside the frame,
-    large ones lent (kept alive here until their lease comes back). Other peers get Ray actor calls with
-    the shards attached, through the object store.
+    large ones lent (kept alive here until their lease comes back). A peer on another node gets its shards
+    over ``network`` (when given, and the peer serves it too). Other peers get Ray actor calls with the
+    shards attached, through the object store.
     """
 
-    def __init__(self, node: str, host: int, peer: Callable[[int, int], Any], channel: Channel | None) -> None:
+    def __init__(self, node: str, host: int, peer: Callable[[int, int], Any], channel: Channel | None,
+                 network: NetworkPath | None = None) -> None:
         self.node, self.host = node, host
         self.pid = os.getpid()
         self.channel = channel
+        self.network = network
         self._peer = peer
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -261,8 +268,21 @@ class Peers:
             except OSError:  # the peer's socket is gone: Ray says whether the peer is
                 if lend:
                     self.release([frame["direct"]["lease"]])
+        elif arrays and self.network is not None and self.network.push(island, host, body, arrays):
+            return False  # seam(network): a peer on another node, over the data path
         self._peer(island, host).deliver.remote(wire.encode("deliver", body), *arrays)
         return False
+
+    # -- the receive side of the network path (seam: the executor tells what it expects and when it is done) --
+    def expect(self, key: int, op: dict) -> None:
+        """A recv op (wire form) was admitted: its pieces may come from the senders its plan names."""
+        if self.network is not None:
+            self.network.expect(key, op)
+
+    def finished(self, key: int) -> None:
+        """The receive ``key`` completed or failed: late pieces are refused, partial ones released."""
+        if self.network is not None:
+            self.network.finished(key)
 
     def give_back(self, pieces: Sequence[Lent]) -> None:
         """The receiver's side: return the leases of lent pieces to their senders, copied or not."""
@@ -293,7 +313,9 @@ class Peers:
                 self._lent.pop(int(lease), None)
 
     def drop_island(self, island: int) -> None:
-        """A failed island will never read what was lent to it."""
+        """A failed island will never read what was lent to it, nor finish what it was sending."""
+        if self.network is not None:
+            self.network.drop_island(island)
         with self._lock:
             for k in [k for k, (_, dst) in self._lent.items() if dst == island]:
                 del self._lent[k]

@@ -118,6 +118,8 @@ class Executor:
         run.admitted = time.time()
         for op in run.ops:
             self.table.add_uses(run.touches(op))
+            if op["op"] == "recv" and run.refusal is None:
+                self.peers.expect(run.rid(op["out"]), op)  # seam(network): the pieces peers may send for it
         self.runs.append(run)
         self.touch()
 
@@ -239,6 +241,7 @@ class Executor:
         if kind == "send":
             self._sender.submit(self._deliver_all, failure, run.rid(op["key"]), op["island"], op["routes"])
         elif kind == "recv":
+            self.peers.finished(run.rid(op["out"]))  # seam(network): release what was landing for it
             with self.cond:
                 box = self.mailbox.pop(run.rid(op["out"]), None)
             if box is not None:
@@ -391,6 +394,7 @@ class Executor:
             return False
         with self.cond:
             del self.mailbox[out]
+        self.peers.finished(out)  # seam(network): late pieces for it are refused from now on
         try:
             array = assemble(where, box.pieces, self.pool.take)
         except OSError as exc:

@@ -58,6 +58,7 @@ class Host:
         self.executor = None
         self.devices = None
         self.metrics = None
+        self.network = None
 
     # -- start-up ---------------------------------------------------------------------------------
     def coordinator(self) -> str:
@@ -67,7 +68,12 @@ class Host:
             s.bind(("", 0))
             return f"{ip}:{s.getsockname()[1]}"
 
-    def start(self, coordinator: str | None) -> dict:
+    def start(self, coordinator: str | None, network_secret: bytes | None = None) -> dict:
+        """Join the island's jax.distributed group, open the data paths; returns this host's info for the manager.
+
+        ``network_secret``: the secret the runtime's hosts authenticate each other with on the network data
+        path, handed out by the resource manager (seam(identity): the tenant-identity work may bind it to its
+        session credentials instead)."""
         import jax
 
         if self.n_hosts > 1:
@@ -86,7 +92,8 @@ class Host:
         allow_peer_reads()
         self.channel = open_channel(f"pathways/{self.namespace}/{self.island}.{self.index}/{os.getpid()}",
                                     self._on_frame)
-        peers = Peers(self.node, self.index, self._peer, self.channel)
+        self.network = self._open_network(network_secret)
+        peers = Peers(self.node, self.index, self._peer, self.channel, self.network)
         self.executor = Executor(self.island, self.index, self.devices, self.table, self.exes, self._cond,
                                  self.scheduler, strict=self.n_hosts > 1, op_timeout=self.op_timeout,
                                  events=self.events, peers=peers, pool=self.pool)
@@ -95,7 +102,30 @@ class Host:
         self.metrics = HostMetrics(self.island, self.index, self.stats)
         return {"island": self.island, "host": self.index, "pid": os.getpid(),
                 "ip": ray.util.get_node_ip_address(),
-                "node": self.node, "devices": self.devices.describe()}
+                "node": self.node, "devices": self.devices.describe(),
+                "data": self.network.address if self.network is not None else ""}
+
+    # -- seam(network): the cross-node data path (resource_manager/network) ---------------------------
+    def _open_network(self, secret: bytes | None) -> Any:
+        from resource_manager.network.path import from_resource_manager, landing_alloc, open_network_path
+
+        return open_network_path((self.island, self.index), self.node, ray.util.get_node_ip_address(), secret,
+                                 landing_alloc(self.pool.take), self._on_network_piece,
+                                 from_resource_manager(self.namespace), stale_s=self.op_timeout)
+
+    def _on_network_piece(self, key: int, src: int, shard: tuple, array: np.ndarray) -> None:
+        """A piece a peer on another node sent, accepted for its receive: file it for the recv op."""
+        with self._cond:
+            self.executor.deliver({"key": key, "src": src, "shards": [shard]}, (array,))
+
+    def probe_network(self, island: int, host: int, nbytes: int) -> float:
+        """Seconds to push ``nbytes`` raw bytes to host ``host`` of island ``island`` over one plain connection
+        of the data path (landed and acknowledged there): the bare link, to compare transfers against."""
+        if self.network is None:
+            raise RuntimeError("this host runs no network data path")
+        if not 0 < int(nbytes) <= 2**31:
+            raise ValueError(f"a probe moves 1 byte to 2 GiB, not {nbytes}")
+        return self.network.probe(int(island), int(host), int(nbytes))
 
     def _peer(self, island: int, host: int) -> Any:
         handle = self._peers.get((island, host))
@@ -335,4 +365,6 @@ class Host:
             out.update(self.pool.stats())
             if self.channel is not None:
                 out.update(frames_in=self.channel.frames_in, frames_out=self.channel.frames_out)
+        if self.network is not None:  # seam(network): the data path's counters
+            out.update(self.network.stats())
         return out

@@ -50,9 +50,11 @@ def host_runtime_env(topology: Topology) -> dict:
                          "MALLOC_ARENA_MAX": arenas}}
 
 
-def start_islands(topology: Topology, namespace: str, op_timeout: float, start_timeout: float) -> list[Island]:
+def start_islands(topology: Topology, namespace: str, op_timeout: float, start_timeout: float,
+                  network_secret: bytes | None = None) -> list[Island]:
     """Reserve every island's node, start all hosts in parallel (each island a jax.distributed group when
-    it has several hosts); host 0 of each island holds its scheduler."""
+    it has several hosts); host 0 of each island holds its scheduler. ``network_secret``: what the hosts
+    authenticate each other with on the network data path (none: that path stays off)."""
     placements = reserve(topology, start_timeout)
     n = topology.hosts_per_island
     gpus = topology.devices_per_host if topology.platform == "gpu" else 0
@@ -63,7 +65,7 @@ def start_islands(topology: Topology, namespace: str, op_timeout: float, start_t
               .remote(p.island, h, n, namespace, op_timeout) for h in range(n)] for p in placements]
     coordinators = ray.get([hs[0].coordinator.remote() for hs in hosts], timeout=start_timeout) if n > 1 \
         else [None] * topology.islands
-    starts = [[h.start.remote(c) for h in hs] for hs, c in zip(hosts, coordinators)]
+    starts = [[h.start.remote(c, network_secret) for h in hs] for hs, c in zip(hosts, coordinators)]
     infos = [ray.get(s, timeout=start_timeout) for s in starts]
     nodes = alive_nodes()
     islands = []

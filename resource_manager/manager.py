@@ -21,6 +21,7 @@ from pathways import wire
 from pathways.errors import ResourceError, TenantAccessError, to_wire
 from pathways.topology import Topology
 from resource_manager.island import start_islands
+from resource_manager.network.frames import new_secret
 from resource_manager.placement import Allocation, Inventory, place
 
 PING_TIMEOUT = 2.0
@@ -50,7 +51,9 @@ class ResourceManager:
         self.topology = Topology.from_wire(topology)
         self.namespace = namespace
         self.started = time.time()
-        self.islands = start_islands(self.topology, namespace, op_timeout, start_timeout)
+        # seam(identity): one secret per runtime for host-to-host authentication on the network data path;
+        # the tenant-identity work may derive it from its own credentials instead
+        self.islands = start_islands(self.topology, namespace, op_timeout, start_timeout, new_secret())
         self.inventory = Inventory(self.topology)
         self.clients: dict[int, dict] = {}
         self.leases: dict[int, Any] = {}

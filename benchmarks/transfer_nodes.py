@@ -78,13 +78,16 @@ def start_cluster(store_bytes: int):
     return cluster, worker
 
 
-def start_runtime(address: str, network: bool) -> None:
-    """The runtime on the cluster, its actors with the network path on or off (the job's runtime_env)."""
+def start_runtime(address: str, network: bool, streams: int | None = None) -> None:
+    """The runtime on the cluster, its actors with the network path on or off and ``streams`` connections per
+    peer (the job's runtime_env, which the resource manager's actors inherit)."""
     from client.session import _use_token_auth
     from pathways.names import NAMESPACE
 
     _use_token_auth()
-    env = {} if network else {"env_vars": {"PATHWAYS_NETWORK": "off"}}
+    env = {"env_vars": {"PATHWAYS_NETWORK": "on" if network else "off"}}
+    if streams:
+        env["env_vars"]["PATHWAYS_NETWORK_STREAMS"] = str(streams)
     ray.init(address=address, namespace=NAMESPACE, runtime_env=env, logging_level="WARNING")
     topology = pw.Topology(3, 1, DEVICES, node_labels={0: {LABEL: "head"}, 1: {LABEL: "head"}, 2: {LABEL: "worker"}})
     pw.init(topology=topology, address=address, timeouts=pw.Timeouts(fetch=TIMEOUT_S, op=TIMEOUT_S, start=300.0))
@@ -137,6 +140,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sizes-mib", type=float, nargs="+", help="array sizes in MiB (default 64 256)")
     parser.add_argument("--reps", type=int, help="timed repetitions (median reported; default 5)")
     parser.add_argument("--store-gib", type=float, default=1.5, help="object store of each node (default 1.5)")
+    parser.add_argument("--streams-sweep", type=int, nargs="*", default=[], metavar="N",
+                        help="also time P(x)->P(x) with N connections per peer (the runtime restarted for each)")
     parser.add_argument("--out", type=Path, default=default_out("transfer_nodes"), help="JSON output path")
     args = parser.parse_args(argv)
     sizes = args.sizes_mib or ((64,) if args.quick else (64, 256))
@@ -151,6 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     store: dict[tuple, Row] = {}
     raw: dict[str, list[float]] = {}
     carried: dict[str, int] = {}
+    sweep: dict[tuple, Row] = {}
     actors = []
     try:
         start_runtime(cluster.address, network=True)
@@ -192,6 +198,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"  object store: {label} {case} in {time.perf_counter() - t:.1f}s", flush=True)
         for s in slices:
             s.release()
+        for streams in args.streams_sweep:
+            stop_runtime()
+            start_runtime(cluster.address, network=True, streams=streams)
+            slices = [pw.slice((DEVICES,), ("x",), island=i) for i in range(3)]
+            for label, nbytes, case in plan:
+                if case == "P(x)->P(x)":
+                    row = sweep[(streams, label)] = Row(label, nbytes, case)
+                    runtime_times(row, [slices[0], slices[CROSS]], reps)
+                    print(f"  {streams} streams: {label} {case}: {row.runtime_gbps:.2f} GB/s", flush=True)
+            for s in slices:
+                s.release()
     finally:
         for actor in actors:
             ray.kill(actor)
@@ -207,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = []
     for label, nbytes, case in plan:
         net, obj = network[(label, case)], store[(label, case)]
-        raw_gbps = gbps(nbytes, median(raw[label])) if label in raw and case == "P(x)->P(x)" else float("nan")
+        raw_gbps = gbps(nbytes, median(raw[label])) if label in raw else float("nan")  # the same bytes, same link
         same_gbps = same[(label, case)].runtime_gbps if (label, case) in same else float("nan")
         r1, r2 = ratio(net.runtime_gbps, obj.runtime_gbps), ratio(net.runtime_gbps, raw_gbps)
         table.add(label, case, f"{net.runtime_gbps:.2f} GB/s", f"{net.stream_gbps:.2f} GB/s",
@@ -216,13 +233,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{same_gbps:.2f} GB/s" if same_gbps == same_gbps else "-",
                   ratio_text(r1), ratio_text(r2), ratio_text(ratio(net.runtime_gbps, net.ray_gbps)))
         results.append({"label": label, "case": case, "network": net.to_json(), "object_store": obj.to_json(),
-                        "raw_tcp_s": raw.get(label) if case == "P(x)->P(x)" else None, "raw_tcp_gbps": raw_gbps,
-                        "same_node_gbps": same_gbps, "network_over_object_store": r1, "network_over_raw_tcp": r2})
-    # the reshard's raw baseline is the same bytes over the same link: compare it to the P(x) row's
-    for res in results:
-        if res["case"] != "P(x)->P(x)" and res["label"] in raw:
-            res["network_over_raw_tcp"] = ratio(res["network"]["runtime_gbps"], gbps(
-                res["network"]["bytes"], median(raw[res["label"]])))
+                        "raw_tcp_s": raw.get(label), "raw_tcp_gbps": raw_gbps, "same_node_gbps": same_gbps,
+                        "network_over_object_store": r1, "network_over_raw_tcp": r2})
     print()
     print(f"Island 0 (head node) -> island 2 (worker node), {DEVICES} devices each, medians of {reps}; transfer = "
           f"move - the same probe without the move; streamed = back-to-back moves; raw TCP = the same bytes between "
@@ -231,11 +243,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(table.render())
     print(f"network path carried {carried.get('network', 0) / 2**30:.2f} GiB into island 2 in phase 1; "
           f"fallbacks to the object store: {carried.get('fallbacks', 0)}")
+    if sweep:
+        sweeps = Table(["connections per peer", *[f"{label} P(x)->P(x)" for label, _, case in plan
+                                                  if case == "P(x)->P(x)"]])
+        for streams in args.streams_sweep:
+            sweeps.add(str(streams), *[f"{sweep[(streams, label)].runtime_gbps:.2f} GB/s ("
+                                       f"streamed {sweep[(streams, label)].stream_gbps:.2f})"
+                                       for label, _, case in plan if case == "P(x)->P(x)"])
+        print(sweeps.render())
     head = next(r for r in results if (r["label"], r["case"]) == HEADLINE) if any(
         (r["label"], r["case"]) == HEADLINE for r in results) else results[-1]
     out = write_json(args.out, {"benchmark": "transfer_nodes", "reps": reps, "devices_per_slice": DEVICES,
                                 "object_store_bytes_per_node": int(args.store_gib * 2**30),
-                                "load_average_at_start": load_at_start, "rows": results, "carried": carried})
+                                "load_average_at_start": load_at_start, "rows": results, "carried": carried,
+                                "streams_sweep": [{"streams": n, "label": label, **row.to_json()}
+                                                  for (n, label), row in sweep.items()]})
     print(f"wrote {out}")
     print(f"cross-node: runtime/object-store {head['network_over_object_store']:.2f}x, runtime/raw-tcp "
           f"{head['network_over_raw_tcp']:.2f}x ({head['label']}, {head['case']})")

@@ -207,6 +207,25 @@ def network() -> dict:
     out["refused"] = refused
     out["auth_refused"] = _stats(1)["net_auth_refused"] - before[1]["net_auth_refused"]
     out["still_works"] = bool(np.array_equal(np.asarray(pw.program(lambda v: f(v))(x)), a * 2.0 + 1.0))
+
+    # overlap: island 1 (the worker, which sends at WORKER_RATE) ships 32 MiB to island 0 and computes meanwhile
+    corner = pw.jit(lambda v: v[:1, :1], slice=s0, in_specs=P("x", None), out_specs=P())
+    work = pw.jit(lambda v: jnp.tanh(v[:8]).sum(), slice=s1, in_specs=P("x", None), out_specs=P())
+
+    @pw.program
+    def ship_and_work(v):
+        return corner(v), work(v)
+
+    big = pw.put(np.ones((8192, 1024), np.float32), s1, P("x", None))
+    big.block_until_ready()
+    for warm in ship_and_work(pw.put(np.ones((64, 1024), np.float32), s1, P("x", None))):  # compile both
+        warm.block_until_ready()
+    start = time.monotonic()
+    moved, local = ship_and_work(big)
+    local.block_until_ready()
+    out["overlap_local_s"] = time.monotonic() - start
+    moved.block_until_ready()
+    out["overlap_moved_s"] = time.monotonic() - start
     s0.release()
     s1.release()
     return out

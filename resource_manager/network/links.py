@@ -87,13 +87,14 @@ class Pace:
         self._free_at = 0.0
 
     def take(self, nbytes: int) -> None:
+        """Wait for this chunk's turn: chunks start ``nbytes / rate`` apart, whichever stream sends them."""
         if self.rate <= 0:
             return
         with self._lock:
             now = time.monotonic()
-            self._free_at = max(self._free_at, now) + nbytes / self.rate
-            wait = self._free_at - now
-        time.sleep(wait)
+            start = max(self._free_at, now)
+            self._free_at = start + nbytes / self.rate
+        time.sleep(start - now)
 
 
 class Link:
@@ -210,10 +211,10 @@ class Links:
                     except queue.Empty:
                         break
                     shard, view = pieces[chunk.piece][0], views[chunk.piece]
+                    self.pace.take(chunk.length)
                     conn.sendall(frames.encode_header(key, shard, dtypes[chunk.piece], view.nbytes, chunk.offset,
                                                       chunk.length))
                     conn.sendall(view[chunk.offset:chunk.offset + chunk.length])
-                    self.pace.take(chunk.length)
                 healthy = True
             except OSError as exc:
                 failed.append(exc)

@@ -183,12 +183,16 @@ class DataServer:
 
     # -- landing --------------------------------------------------------------------------------------------
     def _land(self, conn: socket.socket, peer: Identity, h: Header) -> None:
+        slot = (peer, h.key, h.shard)
         verdict = self._receives.verdict(peer, h.key, h.shard, h.dtype)
         if verdict not in (OK, LATER):
             self._receives.refuse(peer, h.key, h.shard, verdict, h.length)
+            with self._lock:  # a piece begun before its receive finished will never be whole
+                piece = self._partials.get(slot)
+            if piece is not None:
+                self._release(slot, piece)
             self._drain(conn, h.length)
             return
-        slot = (peer, h.key, h.shard)
         with self._lock:
             piece = self._partials.get(slot)
             if piece is None:

@@ -22,7 +22,11 @@ Method, as ``benchmarks/transfer.py`` (whose measuring functions this reuses): `
 consumer reads one element; the same probe without the move gives the fixed cost; the transfer time is the
 difference of the medians. Cases: ``P(x)->P(x)`` and the reshard ``P(x)->P(None,x)``.
 
-    python -m benchmarks.transfer_nodes [--quick] [--sizes-mib 64 256] [--reps N] [--out PATH]
+``--streams-sweep 1 2 4`` then restarts the runtime with 1, 2 and 4 connections per peer
+(``PATHWAYS_NETWORK_STREAMS``) and times the ``P(x)->P(x)`` moves again with each.
+
+    python -m benchmarks.transfer_nodes [--quick] [--sizes-mib 64 256] [--reps N] [--streams-sweep N ...]
+                                        [--out PATH]
 
 It ends with one line: ``cross-node: runtime/object-store R1x, runtime/raw-tcp R2x (256 MiB, P(x)->P(x))``.
 """

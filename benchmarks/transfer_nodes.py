@@ -160,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     store: dict[tuple, Row] = {}
     raw: dict[str, list[float]] = {}
     carried: dict[str, int] = {}
-    sweep: dict[tuple, Row] = {}
+    sweep: list[tuple[int, Row]] = []  # (connections per peer, row), in the order run
     actors = []
     try:
         start_runtime(cluster.address, network=True)
@@ -208,7 +208,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             slices = [pw.slice((DEVICES,), ("x",), island=i) for i in range(3)]
             for label, nbytes, case in plan:
                 if case == "P(x)->P(x)":
-                    row = sweep[(streams, label)] = Row(label, nbytes, case)
+                    row = Row(label, nbytes, case)
+                    sweep.append((streams, row))
                     runtime_times(row, [slices[0], slices[CROSS]], reps)
                     print(f"  {streams} streams: {label} {case}: {row.runtime_gbps:.2f} GB/s", flush=True)
             for s in slices:
@@ -248,20 +249,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"network path carried {carried.get('network', 0) / 2**30:.2f} GiB into island 2 in phase 1; "
           f"fallbacks to the object store: {carried.get('fallbacks', 0)}")
     if sweep:
-        sweeps = Table(["connections per peer", *[f"{label} P(x)->P(x)" for label, _, case in plan
-                                                  if case == "P(x)->P(x)"]])
-        for streams in args.streams_sweep:
-            sweeps.add(str(streams), *[f"{sweep[(streams, label)].runtime_gbps:.2f} GB/s ("
-                                       f"streamed {sweep[(streams, label)].stream_gbps:.2f})"
-                                       for label, _, case in plan if case == "P(x)->P(x)"])
+        sweeps = Table(["connections per peer", "size", "runtime (network)", "streamed"])
+        for streams, row in sweep:
+            sweeps.add(str(streams), row.label, f"{row.runtime_gbps:.2f} GB/s", f"{row.stream_gbps:.2f} GB/s")
         print(sweeps.render())
     head = next(r for r in results if (r["label"], r["case"]) == HEADLINE) if any(
         (r["label"], r["case"]) == HEADLINE for r in results) else results[-1]
     out = write_json(args.out, {"benchmark": "transfer_nodes", "reps": reps, "devices_per_slice": DEVICES,
                                 "object_store_bytes_per_node": int(args.store_gib * 2**30),
                                 "load_average_at_start": load_at_start, "rows": results, "carried": carried,
-                                "streams_sweep": [{"streams": n, "label": label, **row.to_json()}
-                                                  for (n, label), row in sweep.items()]})
+                                "streams_sweep": [{"streams": n, **row.to_json()} for n, row in sweep]})
     print(f"wrote {out}")
     print(f"cross-node: runtime/object-store {head['network_over_object_store']:.2f}x, runtime/raw-tcp "
           f"{head['network_over_raw_tcp']:.2f}x ({head['label']}, {head['case']})")

@@ -1,11 +1,12 @@
 """The sending side of the data path: a pool of authenticated connections per peer host, and chunked sends.
 
 A send cuts its pieces into chunks and streams them over up to ``streams`` connections to the peer at once
-(on one machine two streams moved 1.45x the bytes of one, four no more; between machines several flows
-fill a link one flow cannot). Chunks go straight from the pieces' memory (for a CPU ``jax.Array`` shard,
-``np.asarray`` is the device buffer itself) to the socket: no copy, no serialization. Connections are opened
-on demand, authenticated (``frames``: the peer must prove it holds the runtime's secret too), and kept for
-the next send; many sends may be in flight to one peer, each taking a free connection per stream.
+(between two Ray nodes of one machine, 256 MiB moved at a median 1.10, 1.67 and 1.77 GB/s over 1, 2 and 4
+connections; between machines several flows fill a link one flow cannot). Chunks go straight from the
+pieces' memory (for a CPU ``jax.Array`` shard, ``np.asarray`` is the device buffer itself) to the socket:
+no copy, no serialization. Connections are opened on demand, authenticated (``frames``: the peer must prove
+it holds the runtime's secret too), and kept for the next send; many sends may be in flight to one peer,
+each taking a free connection per stream.
 
 A send that fails (connection refused or reset, peer not reading within ``send_timeout``) raises
 ``NetworkError`` after closing the connections it used, and leaves every other send alone; the caller then
@@ -159,7 +160,7 @@ class Links:
     that; chunks are ``chunk_bytes``. ``send_timeout`` bounds each chunk's write (a peer that stops reading).
     """
 
-    def __init__(self, own: Identity, secret: bytes, streams: int = 2, chunk_bytes: int = 8 << 20,
+    def __init__(self, own: Identity, secret: bytes, streams: int = 4, chunk_bytes: int = 8 << 20,
                  min_stream_bytes: int = 4 << 20, send_timeout: float = 60.0, rate: float = 0.0) -> None:
         self.own = own
         self._secret = secret

@@ -48,7 +48,7 @@ class NetworkConfig:
     """The data path's settings on one host (environment variables in parentheses).
 
     enabled: use the path at all (``PATHWAYS_NETWORK``: ``off``/``0``/``false`` turn it off).
-    streams: connections per peer a large send spreads over (``PATHWAYS_NETWORK_STREAMS``, default 2).
+    streams: connections per peer a large send spreads over (``PATHWAYS_NETWORK_STREAMS``, default 4).
     ports: the range the data server binds in (``PATHWAYS_NETWORK_PORTS``, e.g. ``47000-47100``; default any).
     max_rate: cap on the host's outgoing bytes/s, 0 for none (``PATHWAYS_NETWORK_MAX_RATE``).
     chunk_bytes: bytes per data frame. ceiling: the largest shard a peer may announce. unclaimed_limit: bytes
@@ -56,7 +56,7 @@ class NetworkConfig:
     """
 
     enabled: bool = True
-    streams: int = 2
+    streams: int = 4
     ports: range | None = None
     max_rate: float = 0.0
     chunk_bytes: int = 8 << 20
@@ -66,7 +66,7 @@ class NetworkConfig:
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> NetworkConfig:
         enabled = env.get("PATHWAYS_NETWORK", "on").strip().lower() not in ("off", "0", "false", "no")
-        return cls(enabled=enabled, streams=max(1, int(env.get("PATHWAYS_NETWORK_STREAMS", 2))),
+        return cls(enabled=enabled, streams=max(1, int(env.get("PATHWAYS_NETWORK_STREAMS", 4))),
                    ports=_ports(env.get("PATHWAYS_NETWORK_PORTS", "").strip()),
                    max_rate=float(env.get("PATHWAYS_NETWORK_MAX_RATE", 0) or 0))
 

@@ -17,10 +17,11 @@ Phases, on the same cluster:
      actors through the job's runtime_env), so the same transfer goes through Ray's object stores, the
      fallback.
 
-Method, as ``benchmarks/transfer.py`` (whose measuring functions this reuses): ``x`` (float32, rows sharded
-``P("x")`` over island 0's 4 devices) is resident; a ``@pw.program`` moves it to the other island, where the
-consumer reads one element; the same probe without the move gives the fixed cost; the transfer time is the
-difference of the medians. Cases: ``P(x)->P(x)`` and the reshard ``P(x)->P(None,x)``.
+Method, as ``benchmarks/transfer.py``: ``x`` (float32, rows sharded ``P("x")`` over island 0's 4 devices) is
+resident; a ``@pw.program`` moves it to the other island, where the consumer reads one element; the same
+probe without the move gives the fixed cost; the transfer time is the difference of the medians. Each
+repetition takes the move, the probe without it, and the raw TCP probe in turn. Cases: ``P(x)->P(x)`` and the
+reshard ``P(x)->P(None,x)`` (whose raw baseline is the same bytes over the same link).
 
 ``--streams-sweep 1 2 4`` then restarts the runtime with 1, 2 and 4 connections per peer
 (``PATHWAYS_NETWORK_STREAMS``) and times the ``P(x)->P(x)`` moves again with each.
@@ -50,11 +51,12 @@ if __name__ == "__main__":
     os.environ["RAY_TMPDIR"] = os.environ.get("RAY_TMPDIR") or tempfile.mkdtemp(prefix="pwbench-", dir="/tmp")
     os.environ.setdefault("RAY_AUTH_MODE", "token")
 
+import numpy as np  # noqa: E402
 import ray  # noqa: E402
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 
 import pathways as pw  # noqa: E402
-from benchmarks.common import Table, default_out, median, ratio, ratio_text, write_json  # noqa: E402
+from benchmarks.common import Table, default_out, median, ratio, ratio_text, timed, write_json  # noqa: E402
 from benchmarks.transfer import (  # noqa: E402
     CASES,
     DEVICES,
@@ -62,8 +64,10 @@ from benchmarks.transfer import (  # noqa: E402
     TIMEOUT_S,
     Endpoint,
     Row,
+    corner,
     ray_times,
-    runtime_times,
+    shape_for,
+    warmups,
 )
 
 LABEL = "pathways-bench/node"
@@ -122,13 +126,47 @@ def host_stats(island: int) -> dict:
     return ray.get(current().islands[island].hosts[0].stats.remote(), timeout=TIMEOUT_S)
 
 
-def raw_times(nbytes: int, reps: int) -> list[float]:
-    """One plain connection from island 0's host to island 2's: ``nbytes`` landed and acknowledged."""
+def raw_probe(nbytes: int) -> float:
+    """One plain connection from island 0's host to island 2's: seconds for ``nbytes`` landed and acknowledged."""
     from client.session import current
 
     sender = current().islands[0].hosts[0]
-    ray.get(sender.probe_network.remote(CROSS, 0, nbytes), timeout=TIMEOUT_S)  # warm: the landing buffer
-    return [ray.get(sender.probe_network.remote(CROSS, 0, nbytes), timeout=TIMEOUT_S) for _ in range(reps)]
+    return ray.get(sender.probe_network.remote(CROSS, 0, nbytes), timeout=TIMEOUT_S)
+
+
+def runtime_times(row: Row, slices: Sequence[pw.VirtualSlice], reps: int, raw: list[float] | None = None) -> None:
+    """``benchmarks.transfer.runtime_times``, with the raw probe (when ``raw`` collects it) taken in the same
+    repetitions as the moves, so a burst of load on the shared machine hits both."""
+    from jax.sharding import PartitionSpec as P
+
+    src_spec, dst_spec = CASES[row.case]
+    shape = shape_for(row.nbytes)
+    value = np.arange(shape[0] * shape[1], dtype=np.float32).reshape(shape)
+    x = pw.put(value, slices[0], src_spec).block_until_ready(timeout=TIMEOUT_S)
+    stay = pw.jit(corner, slice=slices[0], in_specs=src_spec, out_specs=P(), name="corner")
+    there = pw.jit(corner, slice=slices[1], in_specs=dst_spec, out_specs=P(), name="corner")
+    move = pw.program(lambda v: there(v))
+    got = move(x).fetch(timeout=TIMEOUT_S)
+    if got[0, 0] != value[0, 0]:
+        raise AssertionError(f"the moved array's first element is {got[0, 0]}, expected {value[0, 0]}")
+    stay(x).block_until_ready(timeout=TIMEOUT_S)
+    for _ in range(warmups(row.nbytes)):
+        row.cold_s.append(timed(lambda: move(x).block_until_ready(timeout=TIMEOUT_S)))
+    row.cold_s = row.cold_s[:3]
+    if raw is not None:
+        raw_probe(row.nbytes)  # warm: the landing buffer there
+    for _ in range(reps):
+        row.move_s.append(timed(lambda: move(x).block_until_ready(timeout=TIMEOUT_S)))
+        row.stay_s.append(timed(lambda: stay(x).block_until_ready(timeout=TIMEOUT_S)))
+        if raw is not None:
+            raw.append(raw_probe(row.nbytes))
+
+    def stream() -> None:
+        for probe in [move(x) for _ in range(row.streamed)]:
+            probe.block_until_ready(timeout=TIMEOUT_S)
+
+    stream()
+    row.stream_s = [timed(stream) for _ in range(reps)]
 
 
 def check_nodes(cluster, worker) -> None:
@@ -175,9 +213,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for label, nbytes, case in plan:
             t = time.perf_counter()
             row = network[(label, case)] = Row(label, nbytes, case)
-            runtime_times(row, [slices[0], slices[CROSS]], reps)
+            runtime_times(row, [slices[0], slices[CROSS]], reps, raw.setdefault(label, []))
             if case == "P(x)->P(x)":
-                raw[label] = raw_times(nbytes, reps)
                 ray_times(row, actors, reps)
                 same[(label, case)] = Row(label, nbytes, case)
                 runtime_times(same[(label, case)], [slices[0], slices[SAME]], reps)

@@ -179,8 +179,13 @@ class NetworkPath:
 
     # -- receiving ------------------------------------------------------------------------------------------
     def expect(self, key: int, op: dict) -> None:
-        """A recv op was admitted here: accept the pieces its plan routes to this host (wire form of the op)."""
-        expected = expected_from_op(op, self.identity[1])
+        """A recv op was admitted here: accept the pieces its plan routes to this host (wire form of the op).
+
+        A template's ops are decoded once and shared by every call, so what the op allows is worked out on its
+        first call and kept in the op, as the executor keeps its other per-op results."""
+        if "_net_expected" not in op:
+            op["_net_expected"] = expected_from_op(op, self.identity[1])
+        expected = op["_net_expected"]
         if expected is not None:
             self.receives.expect(key, expected)
 

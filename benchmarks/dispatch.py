@@ -37,9 +37,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a file: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402

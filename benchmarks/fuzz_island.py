@@ -32,7 +32,7 @@ import ray
 import pathways as pw
 from benchmarks.common import default_out, write_json
 from pathways.messages import CLIENT_ID_BITS, Call, Free, Put
-from pathways.ops import Aval, Exec, Expect, Recv, Send, SliceDesc, Template
+from pathways.ops import Aval, Exec, Recv, Route, Send, SliceDesc, Template
 
 
 class Fuzzer:
@@ -95,7 +95,7 @@ class Fuzzer:
         desc = next(iter(t.slices.values()))
         big = Aval((2**31, 2**31), "float32")
         other = 1 - self.slice.island
-        expect = (Expect(0, 1, (0,)),)
+        expect = (Route(0, 0, (((0, 2),),)),)
         what, template = self.rng.choice([
             ("an exec with no inputs", replace(t, ops=(replace(op, inputs=()),))),
             ("an exec writing slot -3", replace(t, ops=(replace(op, outputs=(-3,)),))),

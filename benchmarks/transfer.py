@@ -37,9 +37,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a file: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import ray  # noqa: E402

@@ -77,6 +77,11 @@ class Admin:
         """Buffers and bytes each tenant holds on each island, counted now."""
         return {int(i): {t: tuple(v) for t, v in c.items()} for i, c in self._call("usage").items()}
 
+    def probe_network(self, src: tuple[int, int], dst: tuple[int, int], nbytes: int) -> float:
+        """Seconds to push ``nbytes`` raw bytes from host ``src`` to host ``dst`` (each (island, host)) over one
+        plain connection of the network path: the bare link, for benchmarks."""
+        return self._call("probe_network", src=list(src), dst=list(dst), nbytes=nbytes)
+
     def hosts(self) -> list[list[Any]]:
         """Every island's host actor handles (to read their counters)."""
         payload = wire.encode("admin", {"credential": self._credential, "op": "hosts", "args": {}})

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from pathways.graph import Compute, Program, Transfer, Value
-from pathways.ops import Exec, Expect, Op, Recv, Reshard, Route, Send, SliceDesc, Template, spec_of
+from pathways.ops import Exec, Op, Recv, Reshard, Route, Send, SliceDesc, Template, spec_of
 from pathways.sharding import plan_transfer, spec_to_wire
 
 
@@ -86,11 +86,10 @@ def lower(program: Program, exes: dict[str, bytes]) -> Lowered:
             if _same_host(src, dst):
                 emit(dst.slice.island, Reshard(src.slot, dst.slot, dst.slice.key, dst_spec), dst)
                 continue
-            routes, expects = plan_transfer(src.shape, src.slice.desc(), src.spec, dst.slice.desc(), dst.spec)
-            emit_send(src.slice.island, Send(src.slot, dst.slot, dst.slice.island,
-                                             tuple(Route(h, to, tuple(shards)) for h, to, shards in routes)), src)
-            emit(dst.slice.island, Recv(dst.slot, dst.slice.key, dst_spec, dst.aval(), src.slice.island,
-                                        tuple(Expect(to, n, tuple(senders)) for to, n, senders in expects)), dst)
+            routes = plan_transfer(src.shape, src.slice.desc(), src.spec, dst.slice.desc(), dst.spec)
+            plan = tuple(Route(h, to, tuple(shards)) for h, to, shards in routes)
+            emit_send(src.slice.island, Send(src.slot, dst.slot, dst.slice.island, plan), src)
+            emit(dst.slice.island, Recv(dst.slot, dst.slice.key, dst_spec, dst.aval(), src.slice.island, plan), dst)
     n_inputs = len(program.inputs)
     keep = {v.slot for v in program.outputs} | set(range(n_inputs))
     fragments = {}

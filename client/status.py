@@ -63,6 +63,7 @@ def snapshot(state: dict, hosts_by_island: list[list[Any]], schedules: list, tim
             stats = read(ref)
             hosts.append(HostStatus(island=info["island"], host=info["host"], node=info["node"],
                                     devices=info["devices"], alive=stats is not None, ip=info.get("ip", ""),
+                                    data=info.get("data", ""),
                                     **{f: (stats or {})[f] for f in HOST_FIELDS if f in (stats or {})}))
         depth = sched.get("queued", 0) + max((h.queue_depth for h in hosts), default=0)
         restarts = [r for r in state.get("restarts", []) if r["island"] == isl["index"]]

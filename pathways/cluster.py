@@ -31,6 +31,7 @@ class HostStatus:
     bytes_out: int = 0
     peak_buffer_bytes: int = 0
     ip: str = ""
+    data: str = ""  # the host's network data server (ip:port) for peers on other nodes; "" when it runs none
 
 
 @dataclass(frozen=True)

@@ -195,5 +195,6 @@ wire.register("revoke", {"keys": ("list", str)})
 wire.register("weight", {"tenant": str, "weight": float})
 wire.register("island_failed", {"island": int})
 wire.register("release_tenant", {"tenant": str})
-wire.register("peers", {"hosts": ("list", {"island": int, "host": int, "node": str, "pid": int, "channel": str})})
+wire.register("peers", {"hosts": ("list", {"island": int, "host": int, "node": str, "pid": int, "channel": str,
+                                            "data": str})})
 CONTROL = ("session", "end_session", "grant", "revoke", "weight", "island_failed", "release_tenant", "peers")

@@ -264,23 +264,19 @@ class Send(Op):
 
 @dataclass(frozen=True)
 class Expect:
-    """How many pieces destination host ``host`` waits for, and the source hosts allowed to send them."""
+    """What destination host ``host`` of a receive waits for: ``count`` pieces, from these source hosts
+    (each sending the shards its route names)."""
 
     host: int
     count: int
     senders: tuple[int, ...]
-
-    @classmethod
-    def from_wire(cls, d: Mapping) -> Expect:
-        return cls(d["host"], d["count"], tuple(d["from"]))
-
-    def to_wire(self) -> dict:
-        return {"host": self.host, "count": self.count, "from": list(self.senders)}
+    shards: dict[int, frozenset[Region]]  # source host -> the shards it sends here
 
 
 @dataclass(frozen=True)
 class Recv(Op):
-    """Take the shards island ``src`` sends for slot ``out`` and land them as an array on a slice."""
+    """Take the shards island ``src`` sends for slot ``out`` and land them as an array on a slice; ``routes`` is
+    the transfer's plan (which source host sends which shards to which host here), the same as the Send's."""
 
     KIND: ClassVar[str] = "recv"
     out: int
@@ -288,14 +284,19 @@ class Recv(Op):
     spec: WireSpec
     aval: Aval
     src: int
-    expect: tuple[Expect, ...]
+    routes: tuple[Route, ...]
     frees: tuple[int, ...] = ()
 
     def writes(self) -> tuple[int, ...]:
         return (self.out,)
 
     def expected(self, host: int) -> Expect | None:
-        return next((e for e in self.expect if e.host == host), None)
+        """What lands on ``host`` (None: nothing of this receive does)."""
+        mine = [r for r in self.routes if r.to == host]
+        if not mine:
+            return None
+        return Expect(host, sum(len(r.shards) for r in mine), tuple(r.host for r in mine),
+                      {r.host: frozenset(r.shards) for r in mine})
 
     def check(self, template: Template, limits: Limits) -> None:
         what = f"op recv of {self.aval.describe()}"
@@ -305,11 +306,15 @@ class Recv(Op):
         check_fits(self.aval, self.spec, desc, limits, what)
         if not 0 <= self.src < limits.islands or self.src == limits.island:
             raise ResourceError(f"{what}: source island {self.src} is not another island of this cluster")
-        for e in self.expect:
-            if not (0 <= e.host < limits.hosts and 1 <= e.count <= MAX_SHARDS
-                    and all(0 <= s < limits.hosts for s in e.senders) and e.senders):
-                raise ProgramError(f"{what}: host {e.host} expects {e.count} pieces from hosts {list(e.senders)}, "
-                                   f"which does not fit {limits.hosts}-host islands")
+        if len(self.routes) > limits.hosts * limits.hosts:
+            raise ProgramError(f"{what}: {len(self.routes)} routes between {limits.hosts}-host islands")
+        for r in self.routes:
+            if not (0 <= r.host < limits.hosts and 0 <= r.to < limits.hosts and 1 <= len(r.shards) <= MAX_SHARDS):
+                raise ProgramError(f"{what}: route host {r.host} -> host {r.to} with {len(r.shards)} shards does not "
+                                   f"fit {limits.hosts}-host islands")
+            for shard in r.shards:
+                if len(shard) != len(self.aval.shape) or any(b > n for (_, b), n in zip(shard, self.aval.shape)):
+                    raise ProgramError(f"{what}: shard {shard} is not a region of an array of shape {self.aval.shape}")
 
 
 @dataclass(frozen=True)
@@ -355,7 +360,8 @@ _OP_SCHEMAS: dict[str, dict] = {
              "routes": ("list", {"host": int, "to": int, "shards": ("list", ("list", ("list", int)))}),
              "frees": ("opt", ("list", int))},
     "recv": {"op": str, "out": int, "slice": str, "spec": wire.SPEC, "aval": wire.AVAL, "src": int,
-             "expect": ("list", {"host": int, "count": int, "from": ("list", int)}), "frees": ("opt", ("list", int))},
+             "routes": ("list", {"host": int, "to": int, "shards": ("list", ("list", ("list", int)))}),
+             "frees": ("opt", ("list", int))},
     "reshard": {"op": str, "in": int, "out": int, "slice": str, "spec": wire.SPEC, "frees": ("opt", ("list", int))},
 }
 
@@ -371,7 +377,7 @@ def op_from_wire(d: Mapping) -> Op:
         return Send(d["in"], d["key"], d["island"], tuple(Route.from_wire(r) for r in d["routes"]), frees)
     if kind == "recv":
         return Recv(d["out"], d["slice"], spec_of(d["spec"]), Aval.from_wire(d["aval"]), d["src"],
-                    tuple(Expect.from_wire(e) for e in d["expect"]), frees)
+                    tuple(Route.from_wire(r) for r in d["routes"]), frees)
     return Reshard(d["in"], d["out"], d["slice"], spec_of(d["spec"]), frees)
 
 
@@ -388,7 +394,7 @@ def op_to_wire(op: Op) -> dict:
                "routes": [r.to_wire() for r in op.routes]}
     elif isinstance(op, Recv):
         out = {"op": "recv", "out": op.out, "slice": op.slice, "spec": spec_to_list(op.spec), "aval": op.aval.to_wire(),
-               "src": op.src, "expect": [e.to_wire() for e in op.expect]}
+               "src": op.src, "routes": [r.to_wire() for r in op.routes]}
     elif isinstance(op, Reshard):
         out = {"op": "reshard", "in": op.source, "out": op.out, "slice": op.slice, "spec": spec_to_list(op.spec)}
     else:

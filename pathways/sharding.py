@@ -118,9 +118,8 @@ def overlaps(a: Index, b: Index) -> bool:
 
 
 def plan_transfer(shape: Sequence[int], src: Any, src_spec: P, dst: Any, dst_spec: P
-                  ) -> tuple[list[tuple[int, int, list[Index]]], list[tuple[int, int, list[int]]]]:
-    """Routes ``(source host, destination host, shards)``, and per destination host ``(host, pieces it
-    expects, source hosts that send them)``.
+                  ) -> list[tuple[int, int, list[Index]]]:
+    """Routes ``(source host, destination host, shards)`` of a transfer, sorted.
 
     Only shards that overlap what a destination host's devices need are sent, so
     matching shardings on equally shaped islands go host i to host i.
@@ -134,13 +133,7 @@ def plan_transfer(shape: Sequence[int], src: Any, src_spec: P, dst: Any, dst_spe
         for to, wanted in needs.items():
             if any(overlaps(shard, w) for w in wanted):
                 routes.setdefault((host, to), []).append(shard)
-    expects: dict[int, tuple[int, list[int]]] = {}
-    out = []
-    for (host, to), shards in sorted(routes.items()):
-        count, senders = expects.get(to, (0, []))
-        expects[to] = (count + len(shards), senders + [host])
-        out.append((host, to, shards))
-    return out, [(to, n, senders) for to, (n, senders) in sorted(expects.items())]
+    return [(host, to, shards) for (host, to), shards in sorted(routes.items())]
 
 
 def dtype_from_wire(name: str) -> np.dtype:

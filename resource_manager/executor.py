@@ -79,6 +79,8 @@ class Executor:
     def admit(self, run: Run) -> None:
         for op in run.ops:
             self.table.add_uses(run.touches(op))
+            if isinstance(op, Recv):
+                self.receiver.expect(run.rid(op.out), op)
         if self.dead is not None:
             self._fail_rest(run, Failure("IslandFailedError", self.dead))
             return

@@ -70,6 +70,7 @@ class Host:
         self.events = EventLog()
         self.started = time.time()
         self._tracers: dict[int, int] = {}
+        self.network = None
 
     # -- start-up (the resource manager) ------------------------------------------------------------------
     def coordinator(self) -> str:
@@ -98,6 +99,7 @@ class Host:
         from resource_manager.inbox import Inbox
         from resource_manager.memory import host_budget
         from resource_manager.metrics import HostMetrics
+        from resource_manager.network.path import landing_alloc, open_network_path
         from resource_manager.peers import Peers
         from resource_manager.receive import Receiver
 
@@ -110,6 +112,10 @@ class Host:
         self.exes = ExecutableCache(self.limits)
         self.channel = open_channel(self._on_frame, self._allowed_peer)
         self.peers = Peers(self.island, self.index, self.node, self.channel, runtime_key)
+        self.network = open_network_path((self.island, self.index), self.node, ray.util.get_node_ip_address(),
+                                         runtime_key, landing_alloc(self.pool.take), self._on_network_piece,
+                                         self.peers.directory, stale_s=self.op_timeout)
+        self.peers.network = self.network
         self.receiver = Receiver(self.island, self.index, self.table, self.pool, self.peers, self._cond,
                                  self.op_timeout, self._touch)
         handlers = Handlers(self.island, self.index, self.devices, self.table, self.exes, self.peers, self.pool,
@@ -125,6 +131,7 @@ class Host:
         return {"island": self.island, "host": self.index, "pid": os.getpid(), "ip": ray.util.get_node_ip_address(),
                 "node": self.node, "devices": self.devices.describe(),
                 "channel": self.channel.address if self.channel is not None else "",
+                "data": self.network.address if self.network is not None else "",
                 "memory_bytes": self.limits.memory_bytes, "device_bytes": self.limits.device_bytes}
 
     def _touch(self) -> None:
@@ -169,7 +176,7 @@ class Host:
         elif kind == "peers":
             from resource_manager.peers import PeerInfo
 
-            infos = [PeerInfo(h["island"], h["host"], h["node"], h["pid"], h["channel"], handle)
+            infos = [PeerInfo(h["island"], h["host"], h["node"], h["pid"], h["channel"], h["data"], handle)
                      for h, handle in zip(msg["hosts"], handles or [])]
             for island in self.peers.set_hosts(infos):
                 with self._cond:
@@ -271,6 +278,22 @@ class Host:
             raise WireFormatError(f"deliver: {len(msg.shards)} shard indices but {len(pieces)} arrays")
         with self._cond:
             self.receiver.deliver(msg, pieces, (msg.src, msg.host))
+
+    def _on_network_piece(self, key: int, sender: tuple[int, int], shard: tuple, array: np.ndarray) -> None:
+        """A piece a runtime host on another node sent over the network path (authenticated there, and routed
+        to this host by its receive's plan): file it for the recv op."""
+        with self._cond:
+            self.receiver.deliver(Deliver(key, sender[0], sender[1], (shard,)), (array,), sender)
+
+    def probe_network(self, mac: bytes, island: int, host: int, nbytes: int) -> float:
+        """Seconds to push ``nbytes`` raw bytes to a peer over one plain connection of the network path (the
+        bare link, for benchmarks to compare against); the runtime's own (the admin asks the resource manager)."""
+        self._runtime(mac, "probe_network", island, host, nbytes)
+        if self.network is None:
+            raise PathwaysError("this host runs no network data path")
+        if not 0 < int(nbytes) <= 2**31:
+            raise PathwaysError(f"a probe moves 1 byte to 2 GiB, not {nbytes}")
+        return self.network.probe(int(island), int(host), int(nbytes))
 
     def _allowed_peer(self, pid: int) -> bool:
         return self.peers.on_this_node(pid) is not None
@@ -408,6 +431,8 @@ class Host:
             if self.channel is not None:
                 out.update(frames_in=self.channel.frames_in, frames_out=self.channel.frames_out,
                            channel_refused=self.channel.refused)
+        if self.network is not None:
+            out.update(self.network.stats())
         if self.scheduler is not None:
             out["schedule"] = {k: v for k, v in self.scheduler.stats().items()
                                if k not in ("tenant_time_s", "tenant_time_recent_s", "fragments", "weights")}

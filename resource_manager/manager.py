@@ -137,7 +137,7 @@ class ResourceManager:
     def _peers_message(self) -> tuple[str, dict, list]:
         infos = [info for i in self.islands for info in i.host_info]
         hosts = [{"island": h["island"], "host": h["host"], "node": h["node"], "pid": h["pid"],
-                  "channel": h["channel"]} for h in infos]
+                  "channel": h["channel"], "data": h["data"]} for h in infos]
         return "peers", {"hosts": hosts}, [h for i in self.islands for h in i.hosts]
 
     # -- sessions -----------------------------------------------------------------------------------------
@@ -457,6 +457,10 @@ class ResourceManager:
             mac = auth.sign(self._key, "tenant_schedule")
             return [ray.get(i.scheduler.tenant_schedule.remote(mac), timeout=PING_TIMEOUT * 5)
                     for i in self._healthy()]
+        if op == "probe_network":
+            (si, sh), (di, dh), nbytes = args["src"], args["dst"], args["nbytes"]
+            mac = auth.sign(self._key, "probe_network", di, dh, nbytes)
+            return ray.get(self.islands[si].hosts[sh].probe_network.remote(mac, di, dh, nbytes), timeout=600)
         if op == "usage":
             self._take_census()
             return {str(i): {t: list(v) for t, v in c.items()} for i, c in self._census.items()}
@@ -487,7 +491,8 @@ class ResourceManager:
         return [{"index": i.index, "epoch": i.epoch, "healthy": i.index not in self.inventory.unhealthy,
                  "reason": self.inventory.unhealthy.get(i.index, ""),
                  "hosts": [{k: h[k] for k in ("island", "host", "node", "ip", "devices", "node_labels",
-                                              "memory_bytes", "device_bytes", "channel")} for h in i.host_info]}
+                                              "memory_bytes", "device_bytes", "channel", "data")}
+                           for h in i.host_info]}
                 for i in self.islands]
 
     def _state(self, tenant: str | None) -> dict:

@@ -7,7 +7,8 @@ large ones lent (kept alive here until their lease comes back; the receiver
 copies them out of this process, whose pid it takes from the socket, not from
 the frame). Other peers get a Ray actor call with the shards attached, through
 the object store, signed with the runtime key so that no other process can
-deliver in a host's name.
+deliver in a host's name; a peer on another node gets its shards over the
+network path (``resource_manager.network``) when both run it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pathways import auth, wire
 from pathways.messages import Deliver, Lending
 from resource_manager.channel import Channel
 from resource_manager.direct import PROBE, Lent, _readv
+from resource_manager.network.path import NetworkPath
 
 MIN_BYTES = 100 * 1024  # below this Ray sends the bytes inline with the message, which is cheaper
 log = logging.getLogger(__name__)
@@ -39,7 +41,8 @@ class PeerInfo:
     host: int
     node: str
     pid: int
-    channel: str
+    channel: str  # its same-node socket ("" when it has none)
+    data: str  # its network data server, ip:port ("" when it runs none)
     handle: Any
 
 
@@ -50,6 +53,7 @@ class Peers:
         self.island, self.host, self.node = island, host, node
         self.pid = os.getpid()
         self.channel = channel
+        self.network: NetworkPath | None = None  # set once the host's network path is open
         self._key = runtime_key
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -73,6 +77,11 @@ class Peers:
                 self._hosts[(info.island, info.host)] = info
             self._by_pid = {i.pid: i for i in self._hosts.values() if i.node == self.node}
         return replaced
+
+    def directory(self) -> dict[tuple[int, int], dict]:
+        """Every runtime host's node and data address, by (island, host): where the network path may send."""
+        with self._lock:
+            return {key: {"node": i.node, "data": i.data} for key, i in self._hosts.items()}
 
     def handle(self, island: int, host: int) -> Any:
         info = self._hosts.get((island, host))
@@ -127,6 +136,8 @@ class Peers:
             except OSError:  # the peer's socket is gone: Ray says whether the peer is
                 if lend:
                     self.release([frame.direct.lease])
+        elif arrays and self.network is not None and self.network.push(island, host, msg.key, msg.shards, arrays):
+            return False  # a peer on another node, over the network path
         meta = msg.encode()
         self.handle(island, host).deliver.remote(meta, auth.sign(self._key, "deliver", meta), *arrays)
         return False
@@ -165,7 +176,9 @@ class Peers:
                 self._lent.pop(int(lease), None)
 
     def drop_island(self, island: int) -> None:
-        """A failed island will never read what was lent to it."""
+        """A failed island will never read what was lent to it, nor finish what it was sending here."""
+        if self.network is not None:
+            self.network.drop_island(island)
         with self._lock:
             for k in [k for k, (_, dst) in self._lent.items() if dst == island]:
                 del self._lent[k]

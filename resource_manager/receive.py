@@ -119,6 +119,13 @@ class Receiver:
         self._finished[key] = None
         while len(self._finished) > FINISHED:
             self._finished.popitem(last=False)
+        if self.peers.network is not None:  # late pieces over the network are refused, partial ones released
+            self.peers.network.finished(key)
+
+    def expect(self, key: int, op: Recv) -> None:
+        """A fragment with this receive was admitted: the network path may take its pieces (the plan's only)."""
+        if self.peers.network is not None:
+            self.peers.network.expect(key, op)
 
     def drop(self, key: int) -> None:
         """The receive failed or will never run: return what was lent for it, refuse what comes later."""

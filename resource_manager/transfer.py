@@ -1,12 +1,15 @@
 """Moving shards between hosts: cut a resident array into pieces, and rebuild one from pieces.
 
-Pieces travel as numpy arrays through Ray's object store or are copied
-straight out of a sender on the same node (``direct``). Every device's region
-is gathered into a buffer of the host's own, even when one piece matches it
-exactly: a piece adopted as is would keep its object-store memory pinned for
-as long as the array lives, on 4 KiB shared pages that computations read
-slowly and a later same-node copy pins page by page (3x slower than the huge
-pages of the host's own heap).
+Pieces travel as numpy arrays through Ray's object store, are copied
+straight out of a sender on the same node (``direct``), or arrive over the
+network into the host's own landing buffers (``network``, as ``Landed``).
+Every device's region is gathered into a buffer of the host's own, even when
+one piece matches it exactly: a piece adopted as is would keep its
+object-store memory pinned for as long as the array lives, on 4 KiB shared
+pages that computations read slowly and a later same-node copy pins page by
+page (3x slower than the huge pages of the host's own heap). A ``Landed``
+piece already is such a buffer, so one that is exactly a device's region is
+adopted without a copy.
 """
 
 from __future__ import annotations
@@ -24,6 +27,11 @@ from resource_manager.buffer_pool import aligned_empty
 from resource_manager.direct import Lent, copy_into
 
 Alloc = Callable[[Sequence[int], np.dtype], np.ndarray]
+
+
+class Landed(np.ndarray):
+    """A received piece in a landing buffer of the host's own pool (64-byte aligned, C-contiguous): a device
+    whose region it is exactly may adopt it without a copy."""
 
 
 def index_of(slices: tuple[slice, ...], shape: Sequence[int]) -> Index:
@@ -84,7 +92,15 @@ class Landing:
 def assemble(landing: Landing, pieces: dict[Index, np.ndarray | Lent], alloc: Alloc = aligned_empty) -> jax.Array:
     """A global array on ``landing.sharding`` whose local devices get their regions from ``pieces``."""
     lent: list = []
-    regions = [region(pieces, idx, landing.dtype, alloc, lent) for _, idx in landing.wanted]
+    adopted: set[Index] = set()
+    regions = []
+    for _, idx in landing.wanted:
+        piece = pieces.get(idx)
+        if type(piece) is Landed and piece.dtype == landing.dtype and idx not in adopted:
+            adopted.add(idx)  # adopted once: two devices never share one buffer
+            regions.append(piece.view(np.ndarray))
+        else:
+            regions.append(region(pieces, idx, landing.dtype, alloc, lent))
     if lent:
         copy_into(lent, landing.dtype.itemsize)
     if len(regions) == 1 and len(landing.sharding.device_set) == 1:  # one device: no per-device arrays to join

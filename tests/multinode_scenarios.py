@@ -4,15 +4,20 @@ scenarios whose islands sit on different nodes. Prints one JSON line per scenari
 
 Scenarios, in order (the last one removes a node):
   readme     Topology(2, 1, 4), default placement: the README's two-island program.
+  network    the same cluster: transfers across the nodes go over the network data path (host counters say
+             so), and a connection without the runtime's secret is refused.
   palm       the same cluster: PaLM's tiny two-pod step (fingerprints of both pods' parameters).
   multihost  Topology(2, 2, 2), island 0 pinned to the worker by a custom resource, island 1 to the head by a
              node label: the multi-host checks of multihost_client.spmd.
-  node_loss  the worker node (island 0) is removed while island 0 has work pending.
+  node_loss  the worker node (island 0) is removed while island 0 has work pending and while a transfer from
+             it streams to island 1 (the worker's hosts send at most ``WORKER_RATE`` bytes/s, so it is still
+             streaming when the node goes).
 
-Before Ray loads, the script sets ``RAY_TMPDIR`` to a private folder, so the cluster's address file does not
-replace ``/tmp/ray/ray_current_cluster`` (which a plain ``ray.init()`` elsewhere on this machine would follow),
-and ``RAY_AUTH_MODE=token``, so every process of the cluster uses token authentication, as after `ray start`:
-``Cluster()`` alone starts its nodes without it, and a client that attaches with a token is then refused.
+Before Ray loads, the script sets ``RAY_TMPDIR`` to a private folder (inside the given ``RAY_TMPDIR``, if
+any), so the cluster's address file does not replace ``/tmp/ray/ray_current_cluster`` (which a plain
+``ray.init()`` elsewhere on this machine would follow), and ``RAY_AUTH_MODE=token``, so every process of the
+cluster uses token authentication, as after `ray start`: ``Cluster()`` alone starts its nodes without it, and
+a client that attaches with a token is then refused.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import time
 from collections.abc import Callable, Sequence
 
 if __name__ == "__main__":
-    os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="pwmn-", dir="/tmp")
+    os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="pwmn-", dir=os.environ.get("RAY_TMPDIR") or "/tmp")
     os.environ.setdefault("RAY_AUTH_MODE", "token")  # as `ray start` turns it on; Cluster() alone does not
 
 import numpy as np
@@ -37,6 +42,8 @@ NODE_LABEL = "pathways-test/node"
 WORKER_SLOT = "pathways_test_worker"
 TIMEOUTS = dict(fetch=180.0, op=180.0, start=300.0, poll=0.5)
 PALM_STEPS = 2
+WORKER_RATE = 16e6  # bytes/s the worker node's hosts send at most over the network path
+SHIP_BYTES = 48 << 20  # the transfer that streams when the worker node goes: 3 s at WORKER_RATE
 
 
 # -- scenarios shared with the single-node runs in test_multinode.py ------------------------------------------
@@ -96,7 +103,11 @@ def start_cluster():
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False,
                                                             "labels": {NODE_LABEL: "head"}})
-    worker = cluster.add_node(num_cpus=1, labels={NODE_LABEL: "worker"}, resources={WORKER_SLOT: 8})
+    os.environ["PATHWAYS_NETWORK_MAX_RATE"] = str(WORKER_RATE)  # the worker's raylet, so its hosts, inherit it
+    try:
+        worker = cluster.add_node(num_cpus=1, labels={NODE_LABEL: "worker"}, resources={WORKER_SLOT: 8})
+    finally:
+        del os.environ["PATHWAYS_NETWORK_MAX_RATE"]
     cluster.wait_for_nodes()
     return cluster, worker
 
@@ -152,6 +163,74 @@ def readme(address: str) -> dict:
     return {"y": y, "z": z, "nodes": placement()}
 
 
+def _stats(island: int, host: int = 0) -> dict:
+    import ray
+
+    from client.session import current
+
+    return ray.get(current().islands[island].hosts[host].stats.remote(), timeout=60)
+
+
+def network() -> dict:
+    """Island 0 -> island 1 across the nodes, matching and resharded: the bytes arrive over the network path
+    (the receiver's counters), none through the object store; a connection without the secret is refused."""
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    from resource_manager.network.frames import ProtocolError
+    from resource_manager.network.links import connect
+
+    s0, s1 = pw.slice((4,), ("x",), island=0), pw.slice((4,), ("x",), island=1)
+    a = np.random.default_rng(1).standard_normal((1024, 512)).astype(np.float32)  # 2 MiB
+    x = pw.put(a, s0, P("x", None))
+    before = [_stats(0), _stats(1)]
+    out: dict = {"addresses": [h.data for isl in pw.status().islands for h in isl.hosts]}
+    for name, spec in (("matching", P("x", None)), ("reshard", P(None, "x"))):
+        f = pw.jit(lambda v: v * 2.0 + jnp.float32(1.0), slice=s1, in_specs=spec, out_specs=spec)
+        out[name] = bool(np.array_equal(np.asarray(pw.program(lambda v, f=f: f(v))(x)), a * 2.0 + 1.0))
+    after = [_stats(0), _stats(1)]
+    out["moved"] = 2 * a.nbytes
+    out["net_bytes_in"] = after[1]["net_bytes_in"] - before[1]["net_bytes_in"]
+    out["bytes_in"] = after[1]["bytes_in"] - before[1]["bytes_in"]
+    out["net_bytes_out"] = after[0]["net_bytes_out"] - before[0]["net_bytes_out"]
+    out["fallbacks"] = after[0]["net_fallbacks"]
+    refused = []
+    for secret in (b"not the runtime's secret".ljust(32), b""):
+        try:
+            connect(out["addresses"][1], (0, 0), (1, 0), secret or b"x" * 32, timeout=10.0).close()
+            refused.append(False)
+        except (ProtocolError, OSError):
+            refused.append(True)
+    deadline = time.monotonic() + 10
+    while _stats(1)["net_auth_refused"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    out["refused"] = refused
+    out["auth_refused"] = _stats(1)["net_auth_refused"] - before[1]["net_auth_refused"]
+    out["still_works"] = bool(np.array_equal(np.asarray(pw.program(lambda v: f(v))(x)), a * 2.0 + 1.0))
+
+    # overlap: island 1 (the worker, which sends at WORKER_RATE) ships 32 MiB to island 0 and computes meanwhile
+    corner = pw.jit(lambda v: v[:1, :1], slice=s0, in_specs=P("x", None), out_specs=P())
+    work = pw.jit(lambda v: jnp.tanh(v[:8]).sum(), slice=s1, in_specs=P("x", None), out_specs=P())
+
+    @pw.program
+    def ship_and_work(v):
+        return corner(v), work(v)
+
+    big = pw.put(np.ones((8192, 1024), np.float32), s1, P("x", None))
+    big.block_until_ready()
+    for warm in ship_and_work(big):  # trace, export and compile for this shape first
+        warm.block_until_ready()
+    start = time.monotonic()
+    moved, local = ship_and_work(big)
+    local.block_until_ready()
+    out["overlap_local_s"] = time.monotonic() - start
+    moved.block_until_ready()
+    out["overlap_moved_s"] = time.monotonic() - start
+    s0.release()
+    s1.release()
+    return out
+
+
 def palm() -> dict:
     pods = [pw.slice((2, 2), ("data", "model"), island=i) for i in range(2)]
     out = palm_fingerprint(pods)
@@ -186,14 +265,27 @@ def node_loss(cluster, worker) -> dict:
         y = slow(m)
         return y, after(y)
 
+    corner = pw.jit(lambda v: v[:1, :1], slice=s1)
+    ship = pw.program(lambda v: corner(v))
+
     m = pw.put(np.eye(1024, dtype=np.float32), s0)
-    m.block_until_ready()
+    big = pw.put(np.ones((SHIP_BYTES // 4096, 1024), np.float32), s0)
+    for arr in (m, big):
+        arr.block_until_ready()
+    receiver = s1.hosts[0]  # the host of island 1 that lands the shipped array
+    before = _stats(1, receiver)
+    shipped = ship(big)  # streams at WORKER_RATE: still on the wire when the node goes
     y, z = cross(m)
-    time.sleep(0.5)
+    deadline = time.monotonic() + 30
+    while _stats(1, receiver)["net_bytes_in"] == before["net_bytes_in"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    landing = _stats(1, receiver)
     removed = time.monotonic()
     cluster.remove_node(worker)
-    out: dict = {"remove_node_s": time.monotonic() - removed, "worker": worker.node_id}
-    for name, arr in (("y_on_island0", y), ("z_on_island1", z)):
+    out: dict = {"remove_node_s": time.monotonic() - removed, "worker": worker.node_id,
+                 "landed_before_removal": landing["net_bytes_in"] - before["net_bytes_in"],
+                 "partial_before_removal": landing["net_partial_bytes"]}
+    for name, arr in (("y_on_island0", y), ("z_on_island1", z), ("shipped_to_island1", shipped)):
         start = time.monotonic()
         try:
             np.asarray(arr)
@@ -203,6 +295,9 @@ def node_loss(cluster, worker) -> dict:
         out[name + "_s"] = time.monotonic() - start
     out["after_removal_s"] = time.monotonic() - removed
     out["island1_still_works"] = float(np.asarray(ok(pw.put(np.ones(2, np.float32), s1))).sum())
+    released = _stats(1, receiver)
+    out["partial_after"] = released["net_partial_bytes"]
+    out["released"] = released["net_released_bytes"] - before["net_released_bytes"]
     st = pw.status()
     out["healthy"] = [i.healthy for i in st.islands]
     out["reason"] = st.islands[0].reason
@@ -215,7 +310,7 @@ def main(argv: Sequence[str]) -> None:
 
     from pathways.names import NAMESPACE, RESOURCE_MANAGER
 
-    wanted = set(argv) or {"readme", "palm", "multihost", "node_loss"}
+    wanted = set(argv) or {"readme", "network", "palm", "multihost", "node_loss"}
     start = time.monotonic()
     cluster, worker = start_cluster()
     try:
@@ -226,6 +321,8 @@ def main(argv: Sequence[str]) -> None:
         rm = ray.get_actor(RESOURCE_MANAGER, namespace=NAMESPACE)
         driver = ray.get_runtime_context().get_node_id()
         emit("where", lambda: {"driver": driver, "resource_manager": _actor_node(rm)})
+        if "network" in wanted:
+            emit("network", network)
         if "palm" in wanted:
             emit("palm", palm)
         if "multihost" in wanted or "node_loss" in wanted:

@@ -15,7 +15,7 @@ from client.jit import CompiledFunction
 from client.slices import VirtualSlice
 from pathways.events import EventLog
 from pathways.messages import Deliver
-from pathways.ops import Aval, Exec, Expect, Limits, Recv, SliceDesc, Template
+from pathways.ops import Aval, Exec, Limits, Recv, Route, SliceDesc, Template
 from resource_manager.buffer_pool import BufferPool
 from resource_manager.buffers import BufferTable, Failure
 from resource_manager.devices import LocalDevices
@@ -154,7 +154,7 @@ def test_a_dead_executor_fails_every_pending_and_future_wait(host):
 def test_a_parked_receive_lets_the_order_move_on_and_resumes_with_its_data():
     host = Host(strict=True)
     inc = host.function(lambda v: v + 1.0, 1)
-    recv = Recv(1, "s1", (), Aval((4,), "float32"), 1, (Expect(0, 1, (0,)),))
+    recv = Recv(1, "s1", (), Aval((4,), "float32"), 1, (Route(0, 0, (((0, 4),),)),))
     use = Exec(inc, "s1", (1,), (2,), ((),), ((),), "inc")
     receiving = host.run(Template("recv", 0, 3, {"s1": DESC}, (recv, use)), base=1000)
     host.value(100, np.zeros(4, np.float32))
@@ -175,7 +175,7 @@ def test_a_parked_receive_lets_the_order_move_on_and_resumes_with_its_data():
 
 
 def test_pieces_from_a_host_the_plan_does_not_name_are_refused(host):
-    recv = Recv(1, "s1", (), Aval((4,), "float32"), 1, (Expect(0, 1, (0,)),))
+    recv = Recv(1, "s1", (), Aval((4,), "float32"), 1, (Route(0, 0, (((0, 4),),)),))
     host.run(Template("recv", 0, 2, {"s1": DESC}, (recv,)), base=1000)
     with host.cond:  # from island 0 (not the source the plan names): refused; then the right sender's
         host.receiver.deliver(Deliver(1001, 0, 0, (((0, 4),),)), (np.full(4, 666.0, np.float32),), (0, 0))
@@ -194,7 +194,7 @@ def test_pieces_for_a_receive_that_already_finished_go_straight_back():
 
     host = Host(op_timeout=0.3)
     host.receiver.peers = Recording(0, 0, "node", None, b"k" * 32)
-    recv = Recv(1, "s1", (), Aval((4,), "float32"), 1, (Expect(0, 1, (0,)),))
+    recv = Recv(1, "s1", (), Aval((4,), "float32"), 1, (Route(0, 0, (((0, 4),),)),))
     host.run(Template("recv", 0, 2, {"s1": DESC}, (recv,)), base=1000)
     with pytest.raises(pw.IslandFailedError, match="waited"):
         host.fetch(1001)

@@ -22,7 +22,7 @@ from client.array import Array
 from client.session import Session
 from client.slices import VirtualSlice
 from pathways.messages import Call, Put
-from pathways.ops import Aval, Expect, Recv, Send
+from pathways.ops import Aval, Recv, Route, Send
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,7 @@ def test_a_meaningless_call_fails_alone_with_its_reason(cluster, intruder, case,
         "read of an unwritten slot": (replace(t, n_values=5, ops=(replace(op, inputs=(0, 4)),)), {}),
         "unknown executable": (replace(t, ops=(replace(op, exe="ab" * 32),)), {"exes": {}}),
         "receive of 16 EiB": (replace(t, n_values=4, ops=(op, Recv(3, desc.key, (), Aval((2**31, 2**31), "float32"),
-                                                                   1, (Expect(0, 1, (0,)),)))), {}),
+                                                                   1, (Route(0, 0, (((0, 1), (0, 1)),)),)))), {}),
         "send to its own island": (replace(t, n_values=4, ops=(op, Send(2, 3, 0, ()))), {}),
         "another client's inputs": (t, {"inputs": ((session.client_id + 7) << 40, (session.client_id + 7) << 40)}),
         "empty inputs": (t, {"inputs": ()}),

@@ -27,7 +27,7 @@ class Scenarios:
     """The scenario script, started at once and read when a test first needs its results."""
 
     def __init__(self) -> None:
-        env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_TMPDIR")}
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # RAY_TMPDIR stays: its cluster goes there
         self.proc = subprocess.Popen([sys.executable, os.path.join(HERE, "multinode_scenarios.py")], env=env,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self._results: dict | None = None
@@ -97,6 +97,27 @@ def test_readme_example_on_two_nodes(scenarios, cluster):
     assert scenarios["where"]["resource_manager"] == head  # so removing the worker leaves the control plane
 
 
+def test_transfers_across_nodes_go_over_the_network_path_not_the_object_store(scenarios):
+    r = scenarios["network"]
+    assert r["matching"] and r["reshard"] and r["still_works"], r
+    assert all(r["addresses"]), r  # every host advertises its data server
+    assert r["net_bytes_in"] == r["bytes_in"] == r["net_bytes_out"] == r["moved"], r  # all of it, over the path
+    assert r["fallbacks"] == 0, r
+
+
+def test_a_cross_node_transfer_streams_while_the_sender_computes(scenarios):
+    r = scenarios["network"]
+    # 32 MiB at the worker's 16 MB/s cap (four chunks, 0.5 s apart) takes 1.5 s or more; the sender's next
+    # computation does not wait for it
+    assert r["overlap_moved_s"] > 1.2, r
+    assert r["overlap_local_s"] < r["overlap_moved_s"] / 2, r
+
+
+def test_a_connection_without_the_runtime_secret_is_refused(scenarios):
+    r = scenarios["network"]
+    assert r["refused"] == [True, True] and r["auth_refused"] == 2, r
+
+
 def test_multihost_islands_pinned_to_their_nodes(scenarios):
     r, nodes = scenarios["multihost"], scenarios["cluster"]
     assert r["checks"] == {"small_hosts": r["checks"]["small_hosts"], "wide_hosts": [0, 1], "roundtrip": True,
@@ -116,6 +137,15 @@ def test_losing_a_node_fails_its_island_fast_and_spares_the_other(scenarios):
     assert r["healthy"] == [False, True] and r["dead_island"] == [0] and "host" in r["reason"]
     assert scenarios["done"]["done"] > 0  # the script tore its cluster down and exited
     assert scenarios["stderr"]["rc"] == 0, scenarios["stderr"]["tail"]
+
+
+def test_a_node_dying_mid_transfer_fails_the_receive_and_releases_what_had_landed(scenarios):
+    r = scenarios["node_loss"]
+    assert r["landed_before_removal"] > 0, r  # the transfer was streaming when the node went
+    assert r["shipped_to_island1"].startswith("IslandFailedError"), r
+    assert r["shipped_to_island1_s"] < 30, r
+    assert r["partial_after"] == 0 and r["released"] > 0, r  # the partial landing buffer went back
+    assert r["island1_still_works"] == 4.0
 
 
 def test_single_node_cluster_keeps_islands_together(cluster):

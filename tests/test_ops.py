@@ -11,7 +11,6 @@ from pathways import wire
 from pathways.ops import (
     Aval,
     Exec,
-    Expect,
     Limits,
     Recv,
     Reshard,
@@ -42,13 +41,13 @@ def roundtrip(t: Template) -> Template:
 
 def test_every_op_survives_its_wire_form():
     ops = [CALL, Send(2, 3, 1, (Route(0, 1, (((0, 4),), ((4, 8),))),)),
-           Recv(4, "s1", ("x",), Aval((8,), "float32"), 1, (Expect(0, 2, (0, 1)),), frees=(3,)),
+           Recv(4, "s1", ("x",), Aval((8,), "float32"), 1, (Route(0, 0, (((0, 4),),)), Route(1, 0, (((4, 8),),))),
+                frees=(3,)),
            Reshard(2, 5, "s1", (None, "x"))]
     for op in ops:
         assert op_from_wire(op_to_wire(op)) == op
     t = template(*ops, n_values=6)
-    back = roundtrip(replace(t, ops=(CALL, ops[2].__class__(3, "s1", ("x",), Aval((8,), "float32"), 1,
-                                                                 (Expect(0, 2, (0, 1)),)))), )
+    back = roundtrip(replace(t, ops=(CALL, replace(ops[2], out=3, frees=()))))
     assert back.ops[0] == CALL and back.program == "p" and back.slices["s1"] == DESC
 
 
@@ -86,12 +85,16 @@ def test_a_template_that_breaks_slot_rules_is_refused(ops, n_values, words):
     (Send(2, 3, 0, ()), pw.ResourceError, "island 0 is not another island"),
     (Send(2, 3, 7, ()), pw.ResourceError, "island 7 is not another island"),
     (Send(2, 3, 1, (Route(5, 0, ()),)), pw.ProgramError, "route host 5 -> host 0"),
-    (Recv(3, "s1", (), Aval((2**31, 2**31), "float32"), 1, (Expect(0, 1, (0,)),)), pw.ResourceError, "GiB"),
-    (Recv(3, "s1", (), Aval((-2,), "float32"), 1, (Expect(0, 1, (0,)),)), pw.ProgramError, "not a valid array"),
-    (Recv(3, "s1", (), Aval((2,), "nope"), 1, (Expect(0, 1, (0,)),)), pw.WireFormatError, "unknown dtype"),
-    (Recv(3, "s1", ("x",), Aval((3,), "float32"), 1, (Expect(0, 1, (0,)),)), pw.ProgramError, "not divisible"),
-    (Recv(3, "s1", (), Aval((2,), "float32"), 0, (Expect(0, 1, (0,)),)), pw.ResourceError, "source island 0"),
-    (Recv(3, "s1", (), Aval((2,), "float32"), 1, (Expect(9, 1, (0,)),)), pw.ProgramError, "host 9 expects"),
+    (Recv(3, "s1", (), Aval((2**31, 2**31), "float32"), 1, (Route(0, 0, (((0, 1), (0, 1)),)),)), pw.ResourceError,
+     "GiB"),
+    (Recv(3, "s1", (), Aval((-2,), "float32"), 1, ()), pw.ProgramError, "not a valid array"),
+    (Recv(3, "s1", (), Aval((2,), "nope"), 1, ()), pw.WireFormatError, "unknown dtype"),
+    (Recv(3, "s1", ("x",), Aval((3,), "float32"), 1, ()), pw.ProgramError, "not divisible"),
+    (Recv(3, "s1", (), Aval((2,), "float32"), 0, ()), pw.ResourceError, "source island 0"),
+    (Recv(3, "s1", (), Aval((2,), "float32"), 1, (Route(0, 9, (((0, 2),),)),)), pw.ProgramError,
+     "route host 0 -> host 9"),
+    (Recv(3, "s1", (), Aval((2,), "float32"), 1, (Route(0, 0, (((0, 5),),)),)), pw.ProgramError,
+     "is not a region of an array of shape"),
 ])
 def test_a_template_that_means_nothing_on_this_island_is_refused(op, error, words):
     t = roundtrip(template(CALL, op, n_values=4)) if not isinstance(op, Exec) else roundtrip(template(op))

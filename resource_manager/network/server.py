@@ -1,0 +1,279 @@
+"""A host's data server: authenticates peer hosts and lands the chunks they push straight into landing buffers.
+
+One listening socket on the host's node IP (an ephemeral port, or one from a configured range so firewalls
+can open just that range), one thread per connection. A connection must first pass the handshake of
+``frames`` (the runtime's secret, mutual); then every frame header is checked before a byte is allocated
+(``frames.decode_header``: sizes must agree with the shard's region and stay under a hard ceiling, or the
+connection ends), and the piece must be one the plan routes from that sender (``receives``), or the frame's
+bytes are read and dropped.
+
+An accepted chunk is received with ``recv_into`` straight into the piece's landing buffer, taken from the
+host's buffer pool (64-byte aligned, so when the piece is exactly one device's region the device adopts the
+buffer as is: ``transfer.Landed``). A connection that breaks mid-chunk (the sending node died) drops the
+piece it was landing; ``drop`` releases every partial piece of a receive or island that will never finish.
+Dropped buffers go back to the pool as soon as the last thread writing into them lets go.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from pathways.sharding import Index
+from resource_manager.network import frames
+from resource_manager.network.frames import Header, Identity, ProtocolError
+from resource_manager.network.receives import LATER, OK, Receives
+
+log = logging.getLogger(__name__)
+
+Alloc = Callable[[Sequence[int], np.dtype], np.ndarray]
+HANDSHAKE_TIMEOUT_S = 10.0
+DRAIN_BYTES = 1 << 20
+
+
+def recv_exactly(conn: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from ``conn``; ConnectionError if the peer closes first."""
+    while len(view):
+        n = conn.recv_into(view)
+        if n == 0:
+            raise ConnectionError("the peer closed the connection")
+        view = view[n:]
+
+
+def recv_bytes(conn: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    recv_exactly(conn, memoryview(buf))
+    return bytes(buf)
+
+
+def keepalive(conn: socket.socket) -> None:
+    """Probe an idle connection, so one to a machine that vanished without a reset ends within a minute."""
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 4)):
+        if hasattr(socket, name):
+            conn.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+
+def bind(ip: str, ports: range | None) -> socket.socket:
+    """A listening socket on ``ip``: the first free port of ``ports``, else any free port."""
+    for port in ports or (0,):
+        sock = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.bind((ip, port))
+            sock.listen(128)
+            return sock
+        except OSError:
+            sock.close()
+    raise OSError(f"no free port for the data server on {ip} in {ports}")
+
+
+@dataclass(eq=False)
+class _Partial:
+    """A piece being landed: its buffer, how many bytes arrived, and whether it counts as unclaimed."""
+
+    array: np.ndarray
+    view: memoryview
+    total: int
+    reserved: bool
+    received: int = 0
+
+
+class DataServer:
+    """Serves this host's data connections; pieces that arrive whole go to ``receives.landed``."""
+
+    def __init__(self, identity: Identity, secret: bytes, ip: str, receives: Receives, alloc: Alloc,
+                 ceiling: int, ports: range | None = None) -> None:
+        if len(secret) < 16:
+            raise ValueError("the data path's secret must be at least 16 bytes")
+        self.identity = identity
+        self._secret = secret
+        self._receives = receives
+        self._alloc = alloc
+        self.ceiling = ceiling
+        self._listener = bind(ip, ports)
+        host, port = self._listener.getsockname()[:2]
+        self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self._lock = threading.Lock()
+        self._partials: dict[tuple[Identity, int, Index], _Partial] = {}
+        self._conns: set[socket.socket] = set()
+        self._closed = False
+        self.connections = 0
+        self.auth_refused = 0
+        self.protocol_errors = 0
+        self.broken = 0
+        self.bytes_in = 0
+        self.pieces_in = 0
+        self.released_bytes = 0
+        threading.Thread(target=self._accept, name="net-accept", daemon=True).start()
+
+    # -- connections ----------------------------------------------------------------------------------------
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, addr = self._listener.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._serve, args=(conn, addr), name="net-serve", daemon=True).start()
+
+    def _handshake(self, conn: socket.socket) -> Identity:
+        nonce = os.urandom(frames.NONCE_BYTES)
+        conn.sendall(frames.SERVER_HELLO.pack(frames.PROTOCOL, nonce, frames.pack_identity(self.identity)))
+        protocol, ident, client_nonce, mac = frames.CLIENT_HELLO.unpack(recv_bytes(conn, frames.CLIENT_HELLO.size))
+        if protocol != frames.PROTOCOL:
+            raise ProtocolError(f"speaks protocol {protocol!r}, not {frames.PROTOCOL!r}")
+        peer = frames.unpack_identity(ident)
+        want = frames.client_mac(self._secret, nonce, client_nonce, peer, self.identity)
+        if not frames.macs_equal(mac, want):
+            raise ProtocolError(f"failed authentication (claimed to be host {peer[1]} of island {peer[0]})")
+        conn.sendall(frames.server_mac(self._secret, nonce, client_nonce, peer, self.identity))
+        return peer
+
+    def _serve(self, conn: socket.socket, addr: tuple) -> None:
+        with conn:
+            conn.settimeout(HANDSHAKE_TIMEOUT_S)
+            try:
+                peer = self._handshake(conn)
+            except (ProtocolError, OSError, ValueError) as exc:
+                with self._lock:
+                    self.auth_refused += 1
+                log.warning("data server %s refused a connection from %s: %s", self.address, addr, exc)
+                return
+            conn.settimeout(None)
+            keepalive(conn)
+            with self._lock:
+                if self._closed:
+                    return
+                self._conns.add(conn)
+                self.connections += 1
+            try:
+                self._frames(conn, peer)
+            except ProtocolError as exc:
+                with self._lock:
+                    self.protocol_errors += 1
+                log.warning("data server %s dropped host %d of island %d: %s", self.address, peer[1], peer[0], exc)
+            except OSError as exc:  # reset, or closed mid-frame: the sender (or its node) died
+                with self._lock:
+                    self.broken += 1
+                log.info("connection from host %d of island %d broke: %s", peer[1], peer[0], exc)
+            finally:
+                with self._lock:
+                    self._conns.discard(conn)
+
+    def _frames(self, conn: socket.socket, peer: Identity) -> None:
+        prefix = bytearray(frames.FRAME.size)
+        while True:
+            try:
+                first = conn.recv_into(prefix)
+            except OSError:
+                return
+            if first == 0:
+                return  # closed between frames: a clean end
+            recv_exactly(conn, memoryview(prefix)[first:])
+            header = frames.decode_header(recv_bytes(conn, frames.header_length(bytes(prefix))), self.ceiling)
+            if isinstance(header, int):
+                self._probe(conn, header)
+            else:
+                self._land(conn, peer, header)
+
+    # -- landing --------------------------------------------------------------------------------------------
+    def _land(self, conn: socket.socket, peer: Identity, h: Header) -> None:
+        slot = (peer, h.key, h.shard)
+        verdict = self._receives.verdict(peer, h.key, h.shard, h.dtype)
+        if verdict not in (OK, LATER):
+            self._receives.refuse(peer, h.key, h.shard, verdict, h.length)
+            with self._lock:  # a piece begun before its receive finished will never be whole
+                piece = self._partials.get(slot)
+            if piece is not None:
+                self._release(slot, piece)
+            self._drain(conn, h.length)
+            return
+        with self._lock:
+            piece = self._partials.get(slot)
+            if piece is None:
+                reserved = verdict == LATER
+                if reserved and not self._receives.reserve(h.total):
+                    raise ProtocolError(f"{h.total} more bytes for receive {h.key}, which this host has not admitted "
+                                        f"yet, would pass the budget of {self._receives.unclaimed_limit} unclaimed "
+                                        "bytes")
+                array = self._alloc(h.shape, h.dtype)
+                piece = _Partial(array, frames.as_bytes(array), h.total, reserved)
+                self._partials[slot] = piece
+            elif piece.total != h.total:
+                raise ProtocolError(f"shard {h.shard} of receive {h.key} was {piece.total} bytes, now {h.total}")
+        try:
+            recv_exactly(conn, piece.view[h.offset:h.offset + h.length])
+        except BaseException:
+            self._release(slot, piece)
+            raise
+        with self._lock:
+            piece.received += h.length
+            whole = piece.received >= piece.total and self._partials.get(slot) is piece
+            if whole:
+                del self._partials[slot]
+            self.bytes_in += h.length
+            self.pieces_in += whole
+        if whole:
+            self._receives.landed(peer, h.key, h.shard, piece.array, piece.reserved)
+
+    def _release(self, slot: tuple, piece: _Partial) -> None:
+        with self._lock:
+            if self._partials.get(slot) is not piece:
+                return
+            del self._partials[slot]
+            self.released_bytes += piece.total
+        if piece.reserved:
+            self._receives.unreserve(piece.total)
+
+    def _drain(self, conn: socket.socket, nbytes: int) -> None:
+        scratch = memoryview(bytearray(min(nbytes, DRAIN_BYTES)))
+        while nbytes:
+            n = min(nbytes, len(scratch))
+            recv_exactly(conn, scratch[:n])
+            nbytes -= n
+
+    def _probe(self, conn: socket.socket, nbytes: int) -> None:
+        """Land ``nbytes`` raw bytes in a pool buffer and acknowledge: the bare link, for a baseline."""
+        buf = self._alloc((nbytes,), np.dtype(np.uint8))
+        recv_exactly(conn, memoryview(buf))
+        conn.sendall(frames.ACK)
+
+    def drop(self, key: int | None = None, island: int | None = None) -> int:
+        """Release the partial pieces of receive ``key``, or from island ``island``; returns their bytes."""
+        released = []
+        with self._lock:
+            for slot, piece in list(self._partials.items()):
+                (src, _), k, _ = slot
+                if (key is not None and k == key) or (island is not None and src == island):
+                    del self._partials[slot]
+                    released.append(piece)
+            nbytes = sum(p.total for p in released)
+            self.released_bytes += nbytes
+        for piece in released:
+            if piece.reserved:
+                self._receives.unreserve(piece.total)
+        return nbytes
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"net_connections": self.connections, "net_open_connections": len(self._conns),
+                    "net_auth_refused": self.auth_refused, "net_protocol_errors": self.protocol_errors,
+                    "net_broken": self.broken, "net_bytes_in": self.bytes_in, "net_pieces_in": self.pieces_in,
+                    "net_partial_bytes": sum(p.total for p in self._partials.values()),
+                    "net_released_bytes": self.released_bytes}
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            conns = list(self._conns)
+        self._listener.close()
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass

@@ -95,7 +95,10 @@ class Array:
                 "so its buffer was reused for that call's outputs. Use the outputs, or stop donating this argument")
         if self._session.closed:
             raise PathwaysError(f"{self._describe()} belongs to a session that was shut down")
-        if self._value is None and self._session.epoch(self.slice.island) != self.epoch:
+        island = self.slice.island
+        if island in self._session.dead:
+            self._session.refresh(island)  # it may have restarted meanwhile, with empty buffers
+        if self._value is None and self._session.epoch(island) != self.epoch:
             raise IslandFailedError(f"{self._describe()} was lost: island {self.slice.island} restarted after it "
                                     "failed, with empty buffers (pw.status() says when and why); compute it again")
 

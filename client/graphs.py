@@ -12,7 +12,7 @@ import runpy
 import sys
 
 from client.jobs import CliError
-from client.tracer import ProgramFunction, recent_graph
+from client.program import ProgramFunction, recent_graph
 
 
 def program_graph(target: str, out: str | None) -> str:

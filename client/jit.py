@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from client import tracer
 from client.host_values import KeyInfo, broadcast_specs, dtype_name, is_key_dtype, key_info, physical
+from client.program import ProgramFunction
 from client.slices import VirtualSlice
 from pathways.errors import ProgramError
 from pathways.sharding import check_spec
@@ -304,7 +305,7 @@ class CompiledFunction:
                 full_args, full_kwargs = statics.rebuild(dyn_args, dyn_kwargs)
                 return self(*full_args, **full_kwargs)
 
-            self._single = tracer.ProgramFunction(one, name=self.name, op_by_op=True)
+            self._single = ProgramFunction(one, name=self.name, op_by_op=True)
         return self._single(statics, *dyn_args, **dyn_kwargs)
 
     def __repr__(self) -> str:

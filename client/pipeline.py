@@ -37,8 +37,9 @@ from jax.sharding import PartitionSpec as P
 
 from client.array import Array, put
 from client.jit import CompiledFunction, broadcast_specs, jit
+from client.program import ProgramFunction, program, transfer
 from client.slices import VirtualSlice
-from client.tracer import ProgramFunction, TracedValue, program, transfer
+from client.tracer import TracedValue
 from pathways.errors import ProgramError
 from pathways.graph import Program
 

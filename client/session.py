@@ -258,7 +258,7 @@ class Session:
     def check_islands(self, islands: frozenset[int]) -> None:
         """Ping every host of ``islands``; a dead one marks its island failed here and raises."""
         for i in sorted(islands):
-            if i in self.dead:
+            if i in self.dead and not self.refresh(i):
                 raise IslandFailedError(f"island {i} has failed: {self.dead[i]}")
         pings = {(i, h): host.ping.remote() for i in islands for h, host in enumerate(self.islands[i].hosts)}
         ray.wait(list(pings.values()), num_returns=len(pings), timeout=self.timeouts.poll)

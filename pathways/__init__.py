@@ -44,9 +44,9 @@ _LAZY = {
     "VirtualSlice": "client.slices",
     "release": "client.slices",
     "slice": "client.slices",
-    "ProgramFunction": "client.tracer",
-    "program": "client.tracer",
-    "transfer": "client.tracer",
+    "ProgramFunction": "client.program",
+    "program": "client.program",
+    "transfer": "client.program",
     "status": "client.status",
 }
 _MODULES = {"pipeline": "client.pipeline"}

@@ -388,7 +388,9 @@ class ResourceManager:
                 time.sleep(RESTART_RETRY_S)
         with self._lock:
             self.islands[island.index] = new
-            self._order_all(self._peers_message())
+            kind, body, handles = self._peers_message()  # every host, the new ones too, learns the new table
+            self._order([h for i in self.islands if i.index not in self.inventory.unhealthy or i is new
+                         for h in i.hosts], kind, body, handles)
             for client, s in self.clients.items():
                 self._order(new.hosts, "session", {"client": client, "tenant": s.tenant, "key": s.key,
                                                    "weight": self._weight(s.tenant)})

@@ -1,0 +1,199 @@
+"""``@pw.program`` and ``pw.transfer``: a Python block traced once per signature, then dispatched per call.
+
+``ProgramFunction`` traces its body with ``client.tracer`` (one ``Traced`` per
+input signature, cached) and hands each call to ``client.dispatch``, which
+sends one message per island. A ``pw.jit`` function called alone runs as a
+one-node program of this kind.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from client.array import Array, check_usable
+from client.dispatch import dispatch
+from client.host_values import PYTHON_SCALARS, host_aval, is_host_value, is_key_dtype, key_info
+from client.session import current
+from client.slices import VirtualSlice
+from client.tracer import HostValue, InTrace, Trace, Traced, TracedValue, current_trace, enter, norm_spec, user_line
+from pathways.errors import ProgramError
+from pathways.graph import Program
+from pathways.sharding import check_spec
+
+_recent: dict[str, Program] = {}  # each program name's latest graph, for `pathways graph` after a script ran
+
+
+def recent_graph(name: str) -> Program | None:
+    """The graph a program called ``name`` traced most recently in this process, if any."""
+    return _recent.get(name)
+
+
+class ProgramFunction:
+    """What ``@pw.program`` returns: traces once per signature, then dispatches on every call.
+
+    Arguments: pytrees of pw.Arrays; numpy arrays, numpy scalars and jax.Arrays (sent to the slice of
+    each pw.jit function that takes them, per its in_specs, on every call; small ones are cached by
+    content); and other hashable values, which are static: the body sees them as they are, so Python
+    control flow may depend on them, and each distinct value traces the program anew. Python scalars
+    are static in a program; a pw.jit function called alone takes them as (weakly typed) arrays.
+    """
+
+    def __init__(self, fn: Callable, name: str | None = None, op_by_op: bool = False) -> None:
+        self.fn = fn
+        self.name = name or getattr(fn, "__name__", "program")
+        self.op_by_op = op_by_op
+        self._cache: dict[Any, Traced] = {}
+        self._last: Traced | None = None
+
+    def _signature(self, args: tuple, kwargs: dict[str, Any]) -> tuple[list, Any, Any]:
+        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+        sig: list = []
+        first: dict[int, int] = {}
+        for k, leaf in enumerate(leaves):
+            if isinstance(leaf, Array):
+                check_usable(leaf, f"{self.name} got")
+                sig.append(("array", leaf.shape, str(leaf.dtype), leaf.weak_type, leaf.slice.key,
+                            norm_spec(leaf.spec), first.setdefault(leaf.id, k)))
+            elif is_host_value(leaf) and (self.op_by_op or type(leaf) not in PYTHON_SCALARS):
+                sig.append(("host", *host_aval(leaf)))
+            elif isinstance(leaf, InTrace):
+                raise ProgramError(f"{self.name} got a value of a program being traced; call it inside that "
+                                   "program's body, where it is inlined")
+            else:
+                try:
+                    hash(leaf)
+                except TypeError:
+                    raise ProgramError(f"{self.name}: argument {leaf!r} is neither an array nor a hashable "
+                                       "static value") from None
+                sig.append(("static", type(leaf), leaf))
+        return leaves, treedef, (treedef, tuple(sig))
+
+    def _trace(self, leaves: list, treedef: Any) -> Traced:
+        trace = Trace(self.name, self.op_by_op)
+        traced_args: list = []
+        by_id: dict[int, TracedValue] = {}
+        for k, leaf in enumerate(leaves):
+            if isinstance(leaf, Array):
+                tv = by_id.get(leaf.id)
+                if tv is None:  # the same pw.Array passed twice is one input
+                    shape, dtype = leaf.physical
+                    value = trace.add_input(shape, dtype, leaf.slice, leaf.spec, ("array", k))
+                    tv = by_id[leaf.id] = TracedValue(value, trace, leaf._key, leaf.weak_type)
+                traced_args.append(tv)
+            elif is_host_value(leaf) and (self.op_by_op or type(leaf) not in PYTHON_SCALARS):
+                traced_args.append(HostValue(("arg", k), host_aval(leaf), trace))
+            else:
+                traced_args.append(leaf)
+        with enter(trace):
+            args, kwargs = jax.tree_util.tree_unflatten(treedef, traced_args)
+            out = self.fn(*args, **kwargs)
+        out_leaves, out_tree = jax.tree_util.tree_flatten(out)
+        for leaf in out_leaves:
+            if not (isinstance(leaf, TracedValue) and leaf.trace is trace):
+                what = "a host value it was given" if isinstance(leaf, HostValue) else type(leaf).__name__
+                raise ProgramError(f"@pw.program {self.name} returned {what}; a program returns values computed "
+                                   "by pw.jit functions (or its own pw.Array arguments)")
+        trace.program.outputs = [leaf.value for leaf in out_leaves]
+        trace.program.out_tree = out_tree
+        donated = trace.finish()
+        return Traced(trace.program, trace.exes, trace.sources, trace.constants, donated,
+                      [(leaf.key, leaf.weak_type) for leaf in out_leaves])
+
+    def _traced(self, args: tuple, kwargs: dict[str, Any]) -> tuple[Traced, list]:
+        leaves, treedef, key = self._signature(args, kwargs)
+        traced = self._cache.get(key)
+        if traced is None:
+            start = time.time()
+            traced = self._trace(leaves, treedef)
+            self._cache[key] = traced
+            self._last = traced
+            _recent[self.name] = traced.program
+            current().events.span(f"trace {self.name}", "trace", start, time.time(),
+                                  nodes=len(traced.program.nodes))
+        return traced, leaves
+
+    @property
+    def last_graph(self) -> Program | None:
+        """The graph this function traced most recently, if it ever ran."""
+        return None if self._last is None else self._last.program
+
+    def graph(self, *args: Any, **kwargs: Any) -> Program:
+        """The Program this function traces to for these arguments (traced once, then cached).
+
+        With no arguments: the most recently traced graph.
+        """
+        if not args and not kwargs and self._last is not None:
+            return self._last.program
+        return self._traced(args, kwargs)[0].program
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if current_trace() is not None:
+            return self.fn(*args, **kwargs)  # a program called from a program is inlined into the outer graph
+        traced, leaves = self._traced(args, kwargs)
+        return dispatch(traced, leaves)
+
+
+_moves: dict[tuple, ProgramFunction] = {}
+
+
+def transfer(value: Any, slice: Any, spec: P | None = None) -> Any:  # noqa: A002
+    """Move ``value`` (a pw.Array, or a pytree of them) to ``slice``, resharded as ``spec`` (default: its own).
+
+    Inside a program the transfer joins the graph here: the send still leaves
+    right after the value is produced (sends never wait), and the receiving
+    island takes the value at this point in its order. Outside a program it
+    runs as a one-transfer program. A host value (numpy, jax.Array) is sent
+    to the slice like ``pw.put`` (default spec: replicated).
+    """
+    if not isinstance(slice, VirtualSlice):
+        raise ProgramError(f"pw.transfer needs a VirtualSlice from pw.slice(...) to move to, got "
+                           f"{type(slice).__name__}")
+    if slice.released:
+        raise ProgramError(f"pw.transfer: {slice} was released; allocate a new slice")
+    if spec is not None and not isinstance(spec, P):
+        raise ProgramError(f"pw.transfer: spec must be a jax.sharding.PartitionSpec (or None to keep the value's "
+                           f"own), got {spec!r}")
+    trace = current_trace()
+    if trace is None:
+        leaves = jax.tree_util.tree_leaves(value)
+        for leaf in leaves:
+            target_spec = spec if spec is not None else getattr(leaf, "spec", None) or P()
+            shape = leaf.shape if hasattr(leaf, "shape") else np.shape(leaf)
+            check_spec(target_spec, tuple(shape), slice.shape, slice.axis_names, "pw.transfer")
+        key = (slice.key, None if spec is None else norm_spec(spec), len(leaves))
+        fn = _moves.get(key)
+        if fn is None:
+            fn = _moves[key] = ProgramFunction(lambda v: transfer(v, slice, spec), name="transfer")
+        return fn(value)
+
+    def move(leaf: Any) -> TracedValue:
+        if isinstance(leaf, Array) or not (isinstance(leaf, InTrace) or is_host_value(leaf)):
+            raise ProgramError(f"pw.transfer inside a program takes its values, got {type(leaf).__name__} "
+                               f"at {user_line()}")
+        leaf = trace.operand(leaf, "pw.transfer", "value")
+        target_spec = (leaf.spec if isinstance(leaf, TracedValue) else P()) if spec is None else spec
+        check_spec(target_spec, leaf.shape, slice.shape, slice.axis_names, f"pw.transfer at {user_line()}")
+        if isinstance(leaf, HostValue):
+            key = key_info(leaf.dtype) if is_key_dtype(leaf.dtype) else None
+            return TracedValue(trace.place(leaf, slice, target_spec), trace, key, leaf.weak_type)
+        if leaf.slice is slice and norm_spec(leaf.spec) == norm_spec(target_spec):
+            return leaf
+        return TracedValue(trace.move(leaf.value, slice, target_spec), trace, leaf.key, leaf.weak_type)
+
+    return jax.tree_util.tree_map(move, value)
+
+
+def program(fn: Callable) -> ProgramFunction:
+    """Decorate a function that calls pw.jit functions: each call runs it as one dataflow program.
+
+    See ``ProgramFunction`` for what its arguments may be. A pw.jit function inside that donates an
+    argument (``donate_argnums``) donates it only where that is safe within the program; a donated
+    pw.Array argument of the program is gone once the program is dispatched.
+    """
+    return ProgramFunction(fn)

@@ -1,7 +1,7 @@
 """Same-node transfers without the object store: the receiver copies shards straight out of the sender.
 
-Writing a large array into Ray's object store runs at about 2 GB/s here (its
-shared-memory pages are slow to fill), several times slower than a memcpy. Two
+Writing a large array into Ray's object store is several times slower than a
+memcpy (its shared-memory pages are slow to fill). Two
 hosts on one node share a kernel, so the sender instead *lends* its shards: it
 keeps the arrays alive and sends their addresses. The receiver's recv op copies
 them with Linux's cross-memory attach (``process_vm_readv``, what MPI libraries
@@ -32,7 +32,6 @@ import numpy as np
 
 from pathways.sharding import Index, intersection
 
-MIN_BYTES = 100 * 1024  # below this Ray sends the bytes inline with the message, which is cheaper
 CHUNK = 4 * 2**20  # bytes per read call: big copies are split over several threads
 IOV_MAX = 1024  # Linux's limit on segments per call
 THREADS = max(1, min(4, os.cpu_count() or 1))

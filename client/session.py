@@ -112,7 +112,7 @@ class Session:
         self.topology = Topology.from_wire(reply["topology"])
         self.host_info = [isl["hosts"] for isl in reply["islands"]]
         self.islands = [IslandClient(i["index"], hosts, i["epoch"]) for i, hosts in zip(reply["islands"], handles)]
-        # The first call to an actor resolves its handle (~0.5 s); pay that now, not on the first put.
+        # The first call to an actor resolves its handle, which is slow; pay that now, not on the first put.
         ray.get([i.scheduler.ping.remote() for i in self.islands if reply["islands"][i.index]["healthy"]],
                 timeout=timeouts.start)
         self._next_id = 1

@@ -17,10 +17,10 @@ from typing import Any
 
 import ray
 
+from client.jobs import ADMIN_FILE
 from pathways import wire
 from pathways.errors import TenantAccessError, from_wire
 
-ADMIN_FILE = "admin.token"
 _KEEP = object()
 
 

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-# The names client.session reads (kept here too so that this module stays free of Ray and JAX).
+# The environment and files pw.init reads too (client.session and client.admin import them from here).
 TENANT_ENV = "PATHWAYS_TENANT"
 CREDENTIAL_ENV = "PATHWAYS_CREDENTIAL"
 TICKET_ENV = "PATHWAYS_TICKET"
@@ -76,7 +76,8 @@ class ClusterState:
 # -- state file ------------------------------------------------------------------------------------
 
 def home() -> Path:
-    """``$PATHWAYS_HOME``, default ``~/.pathways`` (the same place as ``client.session.home()``)."""
+    """Where the ``pathways`` command and ``pw.init`` keep state and credentials: ``$PATHWAYS_HOME``, default
+    ``~/.pathways``."""
     return Path(os.environ.get(HOME_ENV) or Path.home() / ".pathways")
 
 

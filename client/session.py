@@ -22,6 +22,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from client.jobs import CREDENTIAL_ENV, HOME_ENV, TENANT_ENV, TICKET_ENV, home  # noqa: F401 - HOME_ENV re-exported
 from client.outbox import Outboxes
 from client.runtime import connect, find_runtime, start_runtime
 from pathways import auth, wire
@@ -32,18 +33,9 @@ from pathways.names import FETCH_TIMED_OUT, NAMESPACE
 from pathways.ops import Limits
 from pathways.topology import Topology
 
-TENANT_ENV = "PATHWAYS_TENANT"
-CREDENTIAL_ENV = "PATHWAYS_CREDENTIAL"
-TICKET_ENV = "PATHWAYS_TICKET"
-HOME_ENV = "PATHWAYS_HOME"
 REFRESH_S = 1.0  # how often a client asks whether a failed island has restarted
 RPC_GRACE_S = 5.0  # a host's answer may take this long beyond the wait it enforces
 log = logging.getLogger(__name__)
-
-
-def home() -> Path:
-    """Where the ``pathways`` command keeps its state and credentials (``$PATHWAYS_HOME``, default ~/.pathways)."""
-    return Path(os.environ.get(HOME_ENV) or Path.home() / ".pathways")
 
 
 def credential_file(tenant: str) -> Path:
@@ -396,7 +388,7 @@ def init(topology: Topology | None = None, address: str | None = None, *, tenant
             a runtime is started on that cluster only if none runs there yet. Where a runtime already
             runs, a given topology must equal the running one.
         address: a Ray cluster to attach to (``"host:port"`` or ``"auto"``; default ``RAY_ADDRESS``, else
-            a live cluster recorded on this machine, else an embedded one started here).
+            a live cluster recorded on this machine, else an embedded one this call starts).
         tenant: the tenant to act as (default ``PATHWAYS_TENANT``, else ``"default"``). On an embedded
             cluster this is its one implicit tenant and needs no credential.
         credential: the tenant's credential, issued by the cluster's admin (default

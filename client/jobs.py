@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-# The environment and files pw.init reads too (client.session and client.admin import them from here).
+# The environment and files pw.init reads too; client.session and client.admin import these names.
 TENANT_ENV = "PATHWAYS_TENANT"
 CREDENTIAL_ENV = "PATHWAYS_CREDENTIAL"
 TICKET_ENV = "PATHWAYS_TICKET"

@@ -22,7 +22,6 @@ which ``jax.device_put``s it (minus the same two calls on a 1 KiB array).
 
 Cases: matching shardings ``P("x") -> P("x")`` (host i's shards go whole), and a reshard
 ``P("x") -> P(None, "x")`` (row blocks in, column blocks out: every piece feeds every device).
-``benchmarks/transfer_breakdown.py`` times the stages of the same path one by one.
 
     python -m benchmarks.transfer [--quick] [--out PATH]
 """

@@ -86,10 +86,10 @@ def start_cluster(store_bytes: int):
 def start_runtime(address: str, network: bool, streams: int | None = None) -> None:
     """The runtime on the cluster, its actors with the network path on or off and ``streams`` connections per
     peer (the job's runtime_env, which the resource manager's actors inherit)."""
-    from client.session import _use_token_auth
+    from client.jobs import enable_token_auth
     from pathways.names import NAMESPACE
 
-    _use_token_auth()
+    enable_token_auth()
     env = {"env_vars": {"PATHWAYS_NETWORK": "on" if network else "off"}}
     if streams:
         env["env_vars"]["PATHWAYS_NETWORK_STREAMS"] = str(streams)

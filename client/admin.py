@@ -17,10 +17,10 @@ from typing import Any
 
 import ray
 
+from client.jobs import ADMIN_FILE
 from pathways import wire
 from pathways.errors import TenantAccessError, from_wire
 
-ADMIN_FILE = "admin.token"
 _KEEP = object()
 
 
@@ -93,9 +93,21 @@ class Admin:
 
 
 def admin(credential: str | None = None) -> Admin:
-    """The admin operations of the runtime this process is attached to (``pw.init`` first): with the given
-    credential, else the one this process holds because it started the runtime, else ``$PATHWAYS_HOME``'s
-    ``admin.token``."""
+    """The admin operations of the runtime this process is attached to (``pw.init`` first).
+
+    Args:
+        credential: the cluster's admin credential. Default: the one this process holds because its
+            ``pw.init`` started the runtime, else the contents of ``$PATHWAYS_HOME/admin.token``
+            (which ``pathways up`` writes).
+
+    Returns:
+        A ``pw.Admin``. The resource manager checks the credential on every operation, which raises
+        TenantAccessError if it is not the admin's.
+
+    Raises:
+        TenantAccessError: no credential was given or found.
+        PathwaysError: ``pw.init`` was not called.
+    """
     from client.session import current, home
 
     session = current()

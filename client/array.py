@@ -62,10 +62,12 @@ class Array:
     # -- what is known without the value ----------------------------------------------------------
     @property
     def ndim(self) -> int:
+        """Number of dimensions."""
         return len(self.shape)
 
     @property
     def size(self) -> int:
+        """Number of elements."""
         return int(np.prod(self.shape, dtype=np.int64))
 
     @property
@@ -197,6 +199,7 @@ class Array:
         return self._scalar("scalar").item()
 
     def tolist(self) -> Any:
+        """The value as nested Python lists (fetches it)."""
         return self.fetch().tolist()
 
     def __len__(self) -> int:
@@ -240,12 +243,25 @@ def _check_slice(slice: Any, what: str) -> None:  # noqa: A002
 def put(tree: Any, slice: VirtualSlice, specs: Any = None) -> Any:  # noqa: A002
     """Copy host values onto a slice: the same pytree, with a ``pw.Array`` for each leaf.
 
-    ``tree`` is an array, a scalar, or any pytree of them (a params dict, an
-    optax state); leaves may be numpy arrays, Python or numpy scalars,
-    ``jax.Array`` s and typed PRNG key arrays. ``specs`` is a PartitionSpec
-    for every leaf, or a pytree prefix of ``tree`` with one per subtree; None
-    means replicated. Dtypes are canonicalized as JAX does, and a value that
-    does not fit its canonical dtype raises ``ProgramError``.
+    Returns at once: the values travel in order with this client's later messages to the island, so a
+    computation dispatched afterwards finds them. On a slice that spans several hosts, each host
+    receives only the shards its devices hold.
+
+    Args:
+        tree: an array, a scalar, or any pytree of them (a params dict, an optax state); leaves may be
+            numpy arrays, Python or numpy scalars, ``jax.Array`` s and typed PRNG key arrays. Dtypes are
+            canonicalized as JAX does (float64 becomes float32 unless ``jax_enable_x64`` is on).
+        slice: a ``pw.VirtualSlice`` that has not been released.
+        specs: a PartitionSpec for every leaf, or a pytree prefix of ``tree`` with one per subtree;
+            None (the default, or at any place in the prefix) means replicated.
+
+    Returns:
+        ``tree`` with each leaf replaced by a ``pw.Array`` future on ``slice``.
+
+    Raises:
+        ProgramError: ``slice`` is not a live slice; a leaf is a ``pw.Array`` (use ``pw.transfer``) or not
+            an array; a value does not fit its canonical dtype; or a spec does not match the tree, names
+            an axis the slice lacks, or does not divide the array's shape.
     """
     session = current()
     _check_slice(slice, "pw.put")

@@ -35,6 +35,7 @@ from client.tables import clock, render_status, short, table
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the ``pathways`` command with ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
     args = parser().parse_args(argv)
     try:
         if args.run is not cmd_graph:
@@ -51,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
+    """The ``pathways`` command's argument parser: one subcommand per action, each with a ``run`` function."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--address", help="Ray address host:port (default: RAY_ADDRESS, else `pathways up`'s)")
     admin = argparse.ArgumentParser(add_help=False)
@@ -147,6 +149,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def cmd_graph(args: argparse.Namespace) -> int:
+    """``pathways graph``: run a script and print (or write) the graph of one of its programs."""
     from client.graphs import program_graph
 
     dot = program_graph(args.target, args.out)
@@ -157,6 +160,7 @@ def cmd_graph(args: argparse.Namespace) -> int:
 # -- up / down -------------------------------------------------------------------------------------
 
 def cmd_up(args: argparse.Namespace) -> int:
+    """``pathways up``: start a Ray head (or join ``--address``) and the runtime on it; create the admin credential."""
     import pathways as pw
 
     t0 = time.monotonic()
@@ -272,6 +276,7 @@ def _port_free(port: int) -> bool:
 
 
 def cmd_down(args: argparse.Namespace) -> int:
+    """``pathways down``: remove the runtime's actors, and stop the Ray head if ``pathways up`` started it."""
     address = jobs.resolve_address(args.address)
     state = jobs.load_state()
     ours = state if state and state.address == address and state.owns_head else None
@@ -396,6 +401,7 @@ def _show_credential(name: str, secret: str) -> None:
 
 
 def cmd_tenants_add(args: argparse.Namespace) -> int:
+    """``pathways tenants add``: register a tenant and print its credential once."""
     jobs.check_tenant(args.name)
     _check_weight(args.weight)
     _check_quota(args.quota)
@@ -408,6 +414,7 @@ def cmd_tenants_add(args: argparse.Namespace) -> int:
 
 
 def cmd_tenants_list(args: argparse.Namespace) -> int:
+    """``pathways tenants list``: every tenant with its weight, quota, clients and devices held."""
     rows = _as_admin(_admin(args).tenants)
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -419,6 +426,7 @@ def cmd_tenants_list(args: argparse.Namespace) -> int:
 
 
 def cmd_tenants_set(args: argparse.Namespace) -> int:
+    """``pathways tenants set``: change a tenant's weight, quota or credential."""
     if args.weight is None and args.quota is None and not args.no_quota and not args.new_credential:
         raise CliError("nothing to change: pass --weight W, --quota DEVICES, --no-quota or --new-credential")
     _check_weight(args.weight)
@@ -436,6 +444,7 @@ def cmd_tenants_set(args: argparse.Namespace) -> int:
 
 
 def cmd_tenants_remove(args: argparse.Namespace) -> int:
+    """``pathways tenants remove``: remove a tenant (its sessions end) and delete its saved credential."""
     _as_admin(_admin(args).remove_tenant, args.name)
     print(f"removed tenant {args.name}: its sessions ended and its slices and buffers were reclaimed")
     path = jobs.credential_path(args.name)
@@ -448,6 +457,7 @@ def cmd_tenants_remove(args: argparse.Namespace) -> int:
 # -- status ----------------------------------------------------------------------------------------
 
 def cmd_status(args: argparse.Namespace) -> int:
+    """``pathways status``: the whole cluster with the admin credential, else one tenant's view."""
     admin_credential = None if args.tenant else jobs.admin_credential(args.admin_credential_file)
     tenant = args.tenant or os.environ.get(jobs.TENANT_ENV)
     if admin_credential is None and not tenant:
@@ -496,6 +506,7 @@ def _no_credential(tenant: str) -> str:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
+    """``pathways submit``: run a command as a Ray job of a tenant, handing it a single-use ticket."""
     if args.weight is not None:
         raise CliError("submit takes no --weight: a tenant's weight is the cluster admin's to set "
                        "(`pathways tenants set NAME --weight W`)")
@@ -528,6 +539,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def cmd_jobs(args: argparse.Namespace) -> int:
+    """``pathways jobs``: every submitted job with its tenant and status."""
     jobs.resolve_address(args.address)
     rows = [r for r in jobs.job_rows(jobs.job_client()) if not args.tenant or r["tenant"] == args.tenant]
     if args.json:
@@ -558,6 +570,7 @@ def _own_job(args: argparse.Namespace, what: str) -> Any:
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
+    """``pathways logs``: print (or follow) the logs of a job the caller may act on."""
     client = _own_job(args, "logs")
     if args.follow:
         jobs.follow_logs(client, args.job, lambda s: print(s, end="", flush=True))
@@ -567,6 +580,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
+    """``pathways stop``: stop a job the caller may act on, and wait until it ends."""
     client = _own_job(args, "stop")
     client.stop_job(args.job)
     print(f"job {args.job} {jobs.wait_job(client, args.job, args.timeout)}")

@@ -108,6 +108,7 @@ class HostData:
 
     @property
     def aval(self) -> tuple[tuple[int, ...], Any, bool]:
+        """(shape, dtype, weak_type) as a ``jax.jit`` argument."""
         return self.shape, self.dtype, self.weak_type
 
     def content_key(self) -> tuple | None:

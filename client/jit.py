@@ -317,32 +317,46 @@ def jit(fn: Callable | None = None, slice: VirtualSlice | None = None, in_specs:
         out_specs: Any = None, name: str | None = None, *, static_argnums: int | Iterable[int] | None = None,
         static_argnames: str | Iterable[str] | None = None, donate_argnums: int | Iterable[int] | None = None,
         donate_argnames: str | Iterable[str] | None = None) -> Any:
-    """Compile ``fn`` for ``slice`` (or, when None, for the slice of its first pw.Array argument).
+    """Compile ``fn`` for a virtual slice: the client exports it as StableHLO, the island's hosts run it.
 
     Works as ``pw.jit(fn, slice=s)``, ``@pw.jit``, ``@pw.jit(slice=s)`` and
-    ``@functools.partial(pw.jit, slice=s, ...)``. The options follow
-    ``jax.jit``:
+    ``@functools.partial(pw.jit, slice=s, ...)``. The options follow ``jax.jit``.
+    The function is exported once per slice shape, argument signature and static
+    values, against the slice's abstract mesh, so the client needs no devices.
 
-    - ``in_specs``: how each argument is sharded on the slice. None (replicated)
-      or one PartitionSpec for every argument; a tuple with one entry (a
-      PartitionSpec, or a pytree prefix of them) per non-static positional
-      argument, like jax.jit's ``in_shardings``; or a dict by parameter name,
-      which also covers keyword arguments. What it does not cover is replicated.
-    - ``out_specs``: a pytree prefix of the outputs (default replicated).
-    - ``static_argnums`` / ``static_argnames``: arguments passed as Python
-      values into the function; each distinct value (compared by hash and
-      equality, with its type) is a separate export. They must be hashable.
-    - ``donate_argnums`` / ``donate_argnames``: arguments whose buffers the
-      call may reuse for its outputs. A donated pw.Array is gone after the call
-      (using it raises ProgramError), so a training step holds one copy of the
-      parameters instead of two. A host keeps a buffer that another pending op
-      still reads (then the call runs without donating it).
+    Args:
+        fn: a JAX-traceable function. Without it, ``pw.jit(...)`` returns a decorator.
+        slice: the ``pw.VirtualSlice`` to run on; None: the slice of its first ``pw.Array`` argument.
+            Pass it by keyword.
+        in_specs: how each argument is sharded on the slice. None (replicated) or one PartitionSpec
+            for every argument; a tuple with one entry (a PartitionSpec, or a pytree prefix of them)
+            per non-static positional argument, like jax.jit's ``in_shardings``; or a dict by
+            parameter name, which also covers keyword arguments. What it does not cover is replicated.
+        out_specs: a PartitionSpec pytree prefix of the outputs (default: replicated).
+        name: the name in graphs, traces and errors (default: ``fn.__name__``).
+        static_argnums: positional arguments passed as Python values into the function; each
+            distinct value (compared by hash and equality, with its type) is a separate export. They
+            must be hashable.
+        static_argnames: the same, by parameter name.
+        donate_argnums: positional arguments whose buffers the call may reuse for its outputs. A
+            donated pw.Array is gone after the call (using it raises ProgramError), so a training step
+            holds one copy of the parameters instead of two. A host keeps a buffer that another
+            pending op still reads (then the call runs without donating it).
+        donate_argnames: the same, by parameter name.
 
-    Arguments may be pw.Arrays, or numpy arrays, Python and numpy scalars,
-    jax.Arrays and typed PRNG keys, which are sent to the slice per
-    ``in_specs`` (Python scalars weakly typed, as under jax.jit). Small values
-    (64 KiB or less) already sent are recognised by content and jax.Arrays by
-    identity, so a value passed again is not sent again.
+    Returns:
+        A ``pw.CompiledFunction``. Called alone it runs as a one-computation program and returns
+        ``pw.Array`` futures at once; called inside a ``@pw.program`` it becomes a node of that graph.
+        Its pw.Array arguments must live on its slice when called alone (``pw.transfer`` moves them);
+        numpy arrays, Python and numpy scalars, jax.Arrays and typed PRNG keys are sent to the slice
+        per ``in_specs`` (Python scalars weakly typed, as under jax.jit). Small values (64 KiB or less)
+        already sent are recognised by content and jax.Arrays by identity, so a value passed again is
+        not sent again.
+
+    Raises:
+        ProgramError: ``fn`` is not callable, ``slice`` is not a slice, or ``jax.jit`` refuses the
+            options. Calls raise ProgramError when the arguments do not fit ``in_specs`` or the
+            function cannot be exported for them.
     """
     options = {"static_argnums": static_argnums, "static_argnames": static_argnames,
                "donate_argnums": donate_argnums, "donate_argnames": donate_argnames}

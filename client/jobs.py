@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-# The names client.session reads (kept here too so that this module stays free of Ray and JAX).
+# The environment and files pw.init reads too; client.session and client.admin import these names.
 TENANT_ENV = "PATHWAYS_TENANT"
 CREDENTIAL_ENV = "PATHWAYS_CREDENTIAL"
 TICKET_ENV = "PATHWAYS_TICKET"
@@ -69,21 +69,25 @@ class ClusterState:
 
     @property
     def owns_head(self) -> bool:
+        """Whether ``pathways up`` started the head (so ``pathways down`` stops it)."""
         return self.head_pid is not None
 
 
 # -- state file ------------------------------------------------------------------------------------
 
 def home() -> Path:
-    """``$PATHWAYS_HOME``, default ``~/.pathways`` (the same place as ``client.session.home()``)."""
+    """Where the ``pathways`` command and ``pw.init`` keep state and credentials: ``$PATHWAYS_HOME``, default
+    ``~/.pathways``."""
     return Path(os.environ.get(HOME_ENV) or Path.home() / ".pathways")
 
 
 def state_path() -> Path:
+    """The state file: ``$PATHWAYS_HOME/cluster.json``."""
     return home() / "cluster.json"
 
 
 def load_state() -> ClusterState | None:
+    """What ``pathways up`` recorded, or None; CliError if the file is unreadable."""
     path = state_path()
     if not path.exists():
         return None
@@ -94,6 +98,7 @@ def load_state() -> ClusterState | None:
 
 
 def save_state(state: ClusterState) -> None:
+    """Record ``state`` in the state file (written atomically)."""
     path = state_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -102,6 +107,7 @@ def save_state(state: ClusterState) -> None:
 
 
 def clear_state() -> None:
+    """Forget the recorded cluster."""
     state_path().unlink(missing_ok=True)
 
 
@@ -123,6 +129,8 @@ def resolve_address(arg: str | None) -> str:
 # -- token authentication --------------------------------------------------------------------------
 
 def token_available() -> bool:
+    """Whether a Ray authentication token is at hand (``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH`` or
+    ``~/.ray/auth_token``)."""
     path = os.environ.get("RAY_AUTH_TOKEN_PATH")
     return bool(os.environ.get("RAY_AUTH_TOKEN")) or Path(path or Path.home() / ".ray" / "auth_token").exists()
 
@@ -176,10 +184,12 @@ def read_secret(path: Path | str) -> str | None:
 
 
 def admin_path() -> Path:
+    """Where the admin credential lives: ``$PATHWAYS_HOME/admin.token``."""
     return home() / ADMIN_FILE
 
 
 def credential_path(tenant: str) -> Path:
+    """Where a tenant's credential lives: ``$PATHWAYS_HOME/credentials/TENANT``; CliError for an invalid name."""
     return home() / "credentials" / check_tenant(tenant)  # a checked name never leaves that folder
 
 
@@ -194,6 +204,7 @@ def admin_credential(file: str | None = None) -> str | None:
 
 
 def need_admin_credential(file: str | None, what: str) -> str:
+    """The admin credential (as ``admin_credential``), or CliError saying that ``what`` needs it."""
     secret = admin_credential(file)
     if secret is None:
         raise CliError(f"{what} needs the cluster's admin credential: {admin_path()} does not exist (`pathways up` "
@@ -233,12 +244,14 @@ def tenant_credential(tenant: str, file: str | None = None) -> tuple[str, str] |
 # -- the head --------------------------------------------------------------------------------------
 
 def free_port() -> int:
+    """A TCP port free on this machine now."""
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
 
 
 def check_port_free(port: int, what: str) -> None:
+    """CliError unless ``port`` can be bound on this machine (``what`` names it in the message)."""
     with socket.socket() as s:
         try:
             s.bind(("", port))
@@ -334,6 +347,7 @@ def _is_our_head(pid: int, temp_dir: str) -> bool:
 
 
 def head_alive(state: ClusterState) -> bool:
+    """Whether the head ``pathways up`` started (per ``state``) still runs."""
     return state.owns_head and _is_our_head(state.head_pid, state.temp_dir)
 
 
@@ -373,6 +387,7 @@ def job_client(timeout: float = 60.0) -> Any:
 
 
 def check_tenant(tenant: str) -> str:
+    """``tenant`` if it is a valid tenant name (1-63 letters, digits, '.', '_' or '-'); CliError otherwise."""
     if not TENANT_PATTERN.match(tenant):
         raise CliError(f"tenant {tenant!r}: use 1-63 letters, digits, '.', '_' or '-', starting with a letter "
                        "or digit")

@@ -28,11 +28,14 @@ class Fragment:
 
     @property
     def ops(self) -> tuple[Op, ...]:
+        """The template's ops, in order."""
         return self.template.ops
 
 
 @dataclass(frozen=True)
 class Lowered:
+    """A lowered program: its value counts, one fragment per island, and the placement it was lowered for."""
+
     n_inputs: int
     n_values: int
     fragments: dict[int, Fragment]

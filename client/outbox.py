@@ -46,6 +46,7 @@ class Outbox:
         self._answers: deque[Future] = deque()
 
     def put(self, payload: bytes, refs: list | None) -> None:
+        """Queue one message (with the object refs that travel beside it) and send it if the scheduler allows."""
         with self._lock:
             self._held.append((payload, refs))
             self._send()
@@ -102,6 +103,7 @@ class Outboxes:
         self._thread.start()
 
     def put(self, island: int, payload: bytes, refs: list | None) -> None:
+        """Queue one message for ``island``'s scheduler (see ``Outbox.put``)."""
         self._boxes[island].put(payload, refs)
 
     def replace(self, island: int, scheduler: Any) -> None:

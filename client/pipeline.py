@@ -150,6 +150,7 @@ def predicted_bubble(n_stages: int, n_micro: int) -> float:
 
 
 def check_counts(n_stages: int, n_micro: int, schedule: str) -> None:
+    """ProgramError unless there is at least one stage, ``n_micro`` is a positive int and ``schedule`` is known."""
     if not isinstance(n_stages, int) or n_stages < 1:
         raise ProgramError(f"a pipeline needs at least one stage, got {n_stages!r}")
     if not isinstance(n_micro, int) or isinstance(n_micro, bool) or n_micro < 1:
@@ -317,6 +318,7 @@ class Pipeline:
 
     @property
     def n_stages(self) -> int:
+        """Number of stages."""
         return len(self.stages)
 
     def __call__(self, params: list, opt_states: list, inputs: Array, targets: Array) -> tuple:
@@ -498,17 +500,35 @@ def build(stages: Sequence[Stage], loss_fn: Callable[[Any, Any], Any], optimizer
           schedule: str = "1f1b", *, target_spec: P | None = None, remat: bool = False) -> Pipeline:
     """A pipelined training step over ``stages`` with ``n_micro`` micro-batches per step.
 
-    ``loss_fn(outputs, targets) -> scalar`` is the mean loss of one micro-batch, computed on the last
-    stage; the step's gradients are the mean over micro-batches, so they equal ``jax.grad`` of the
-    unpipelined model on the whole batch. ``optimizer`` is an optax ``GradientTransformation`` applied
-    to each stage's params on its own slice. ``schedule`` is "1f1b" (at most S micro-batches in flight
-    per stage) or "gpipe" (all M). With ``remat=False`` the forward keeps its ``jax.vjp`` residuals
-    for the backward; ``remat=True`` keeps only the stage's input and recomputes the forward in the
-    backward (less memory, one more forward of compute).
+    The step's gradients are the mean over micro-batches, so they equal ``jax.grad`` of the unpipelined
+    model on the whole batch. Every micro-batch's forward and backward, the transfers between stages and
+    each stage's optimizer update form one ``@pw.program``: one dispatch per step.
 
         pipe = build([Stage(mlp, s0), Stage(mlp, s1)], mse, optax.sgd(0.1), n_micro=4)
         params, opt_states = pipe.init([p0, p1])
         params, opt_states, loss = pipe.step(params, opt_states, x, y)
+
+    Args:
+        stages: the ``pw.pipeline.Stage`` s in model order, each a function on its own slice (usually
+            one per island; stages sharing an island take turns).
+        loss_fn: ``loss_fn(outputs, targets) -> scalar``, the mean loss of one micro-batch, computed on
+            the last stage's slice.
+        optimizer: an optax ``GradientTransformation``, applied to each stage's params on its own slice.
+        n_micro: micro-batches per step; the batch size must be a multiple of it.
+        schedule: "1f1b" (at most S micro-batches of activations held per stage, for S stages) or
+            "gpipe" (all forwards, then all backwards: all M held).
+        target_spec: the sharding of the targets on the last stage's slice (default: replicated).
+        remat: False: the forward keeps its ``jax.vjp`` residuals for the backward. True: it keeps
+            only the stage's input and the backward recomputes the forward (less memory, one more
+            forward of compute).
+
+    Returns:
+        A ``Pipeline``: ``init(params)`` places each stage's params and optimizer state, ``step`` runs one
+        training step, ``memory`` reports each stage's peak activations.
+
+    Raises:
+        ProgramError: a stage, ``loss_fn``, ``optimizer``, ``n_micro`` or ``schedule`` is not what is
+            described above.
     """
     stages = list(stages) if isinstance(stages, (list, tuple)) else stages
     if not isinstance(stages, list):

@@ -39,6 +39,8 @@ def clock_offsets(session: Session, rounds: int = 5) -> dict[tuple[int, int], fl
 
 
 def chrome_events(raw: list, pid: int, tid: int, offset: float) -> list[dict]:
+    """Recorded events as Chrome trace "complete" events of process ``pid`` and thread ``tid``, with the host
+    clock's ``offset`` (seconds) removed."""
     return [{"name": name, "cat": cat, "ph": "X", "pid": pid, "tid": tid, "ts": (start - offset) * 1e6,
              "dur": max(dur, 0.0) * 1e6, "args": args} for name, cat, start, dur, args in raw]
 
@@ -47,8 +49,16 @@ def chrome_events(raw: list, pid: int, tid: int, offset: float) -> list[dict]:
 def trace(path: str | os.PathLike) -> Iterator[None]:
     """Record every island's hosts and this client while the block runs; write a trace file at ``path``.
 
-    Open the file in https://ui.perfetto.dev (or chrome://tracing). Spans of other tenants that shared the
-    islands meanwhile appear as anonymous "another tenant" spans.
+        with pw.trace("step.json"):
+            step(params, batch)
+
+    Open the file in https://ui.perfetto.dev (or chrome://tracing): each island is a process, each host a
+    thread, and the client (tracing, lowering, dispatch) a process of its own; host clocks are aligned to
+    the client's. Spans of other tenants that shared the islands meanwhile appear as anonymous "another
+    tenant" spans. Islands this client saw fail are left out.
+
+    Args:
+        path: where to write the Chrome trace (JSON), when the block ends (also when it raises).
     """
     session = current()
     hosts = [(isl.index, h, host) for isl in session.islands if isl.index not in session.dead
@@ -69,6 +79,8 @@ def trace(path: str | os.PathLike) -> Iterator[None]:
 
 def write_trace(path: Any, session: Session, hosts: list, recorded: list, client_events: list,
                 offsets: dict) -> None:
+    """Write the client's and every host's events to ``path`` as one Chrome trace (JSON): one process per
+    island, one thread per host, and the client as its own process."""
     events: list[dict] = [
         {"name": "process_name", "ph": "M", "pid": CLIENT_PID, "args": {"name": f"client ({session.tenant})"}},
         {"name": "thread_name", "ph": "M", "pid": CLIENT_PID, "tid": 0, "args": {"name": "trace / lower / dispatch"}},

@@ -149,7 +149,20 @@ def transfer(value: Any, slice: Any, spec: P | None = None) -> Any:  # noqa: A00
     right after the value is produced (sends never wait), and the receiving
     island takes the value at this point in its order. Outside a program it
     runs as a one-transfer program. A host value (numpy, jax.Array) is sent
-    to the slice like ``pw.put`` (default spec: replicated).
+    to the slice like ``pw.put`` (default spec: replicated). Each destination
+    host receives only the source shards that overlap what its devices hold.
+
+    Args:
+        value: a ``pw.Array`` or a pytree of them (inside a program: its values, or host arrays).
+        slice: the destination ``pw.VirtualSlice``, on the same or another island.
+        spec: the PartitionSpec on ``slice`` (default: the value's own spec).
+
+    Returns:
+        ``value``'s pytree with each leaf on ``slice`` (``pw.Array`` futures; traced values in a program).
+
+    Raises:
+        ProgramError: ``slice`` is not a live slice, ``spec`` is not a PartitionSpec, or it does not fit
+            ``slice`` (unknown axis, or it does not divide a leaf's shape).
     """
     if not isinstance(slice, VirtualSlice):
         raise ProgramError(f"pw.transfer needs a VirtualSlice from pw.slice(...) to move to, got "
@@ -192,8 +205,24 @@ def transfer(value: Any, slice: Any, spec: P | None = None) -> Any:  # noqa: A00
 def program(fn: Callable) -> ProgramFunction:
     """Decorate a function that calls pw.jit functions: each call runs it as one dataflow program.
 
-    See ``ProgramFunction`` for what its arguments may be. A pw.jit function inside that donates an
-    argument (``donate_argnums``) donates it only where that is safe within the program; a donated
-    pw.Array argument of the program is gone once the program is dispatched.
+    The body is traced once per argument signature into a graph of computations and transfers, lowered
+    to one fragment per island, and every call sends one message per island without waiting; the call
+    returns ``pw.Array`` futures at once. Inside the body, values are futures: reading their contents
+    raises ProgramError naming the line. A value used on another slice is transferred where it is used
+    (or where ``pw.transfer`` says). A program called from a program is inlined.
+
+    A pw.jit function inside that donates an argument (``donate_argnums``) donates it only where that
+    is safe within the program; a donated pw.Array argument of the program is gone once the program is
+    dispatched.
+
+    Args:
+        fn: the body. Its arguments are pytrees of pw.Arrays, host arrays (numpy, jax.Array; sent on
+            every call, small ones cached by content) and hashable static values (Python scalars
+            included), which the body sees as they are; each distinct static value traces anew (see
+            ``ProgramFunction``). It returns a pytree of values computed by pw.jit functions (or of its
+            own pw.Array arguments).
+
+    Returns:
+        A ``ProgramFunction``: call it like ``fn``; ``.graph(*args)`` returns the traced ``pw.Program``.
     """
     return ProgramFunction(fn)

@@ -90,6 +90,7 @@ def start_runtime(topology: Topology, op_timeout: float, start_timeout: float, a
 
 
 def ready(rm: Any, timeout: float) -> dict:
+    """The running resource manager's reply to ``ready`` (its topology), waiting at most ``timeout`` seconds."""
     try:
         raw = ray.get(rm.ready.remote(), timeout=timeout)
     except GetTimeoutError:

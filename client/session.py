@@ -22,6 +22,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from client.jobs import CREDENTIAL_ENV, HOME_ENV, TENANT_ENV, TICKET_ENV, home  # noqa: F401 - HOME_ENV re-exported
 from client.outbox import Outboxes
 from client.runtime import connect, find_runtime, start_runtime
 from pathways import auth, wire
@@ -32,21 +33,13 @@ from pathways.names import FETCH_TIMED_OUT, NAMESPACE
 from pathways.ops import Limits
 from pathways.topology import Topology
 
-TENANT_ENV = "PATHWAYS_TENANT"
-CREDENTIAL_ENV = "PATHWAYS_CREDENTIAL"
-TICKET_ENV = "PATHWAYS_TICKET"
-HOME_ENV = "PATHWAYS_HOME"
 REFRESH_S = 1.0  # how often a client asks whether a failed island has restarted
 RPC_GRACE_S = 5.0  # a host's answer may take this long beyond the wait it enforces
 log = logging.getLogger(__name__)
 
 
-def home() -> Path:
-    """Where the ``pathways`` command keeps its state and credentials (``$PATHWAYS_HOME``, default ~/.pathways)."""
-    return Path(os.environ.get(HOME_ENV) or Path.home() / ".pathways")
-
-
 def credential_file(tenant: str) -> Path:
+    """Where ``pw.init`` looks for a tenant's credential: ``$PATHWAYS_HOME/credentials/TENANT``."""
     return home() / "credentials" / tenant
 
 
@@ -62,17 +55,26 @@ class Timeouts:
 
 @dataclass
 class IslandClient:
+    """What a client knows of one island: its index, its host actors, and its epoch (restart count)."""
+
     index: int
     hosts: list[Any]
     epoch: int
 
     @property
     def scheduler(self) -> Any:  # host 0 holds the island's scheduler
+        """The actor that takes this island's fragments: host 0 holds the island's scheduler."""
         return self.hosts[0]
 
 
 class Session:
-    """A client's session: proves its tenant once, then signs every message with the session key."""
+    """A client's session: proves its tenant once, then signs every message with the session key.
+
+    It holds what every other client module needs: the resource manager's and the islands' actor handles
+    (refreshed when an island restarts), the buffer ids this client mints, the outboxes that carry its
+    messages to each island's scheduler in order, the batcher that frees dropped arrays, and its event log
+    for ``pw.trace``. ``pw.init`` creates the one per process; ``current()`` finds it.
+    """
 
     def __init__(self, rm: Any, tenant: str, timeouts: Timeouts, owns_ray: bool, credential: str | None = None,
                  ticket: str | None = None, admin_credential: str | None = None) -> None:
@@ -102,7 +104,7 @@ class Session:
         self.topology = Topology.from_wire(reply["topology"])
         self.host_info = [isl["hosts"] for isl in reply["islands"]]
         self.islands = [IslandClient(i["index"], hosts, i["epoch"]) for i, hosts in zip(reply["islands"], handles)]
-        # The first call to an actor resolves its handle (~0.5 s); pay that now, not on the first put.
+        # The first call to an actor resolves its handle, which is slow; pay that now, not on the first put.
         ray.get([i.scheduler.ping.remote() for i in self.islands if reply["islands"][i.index]["healthy"]],
                 timeout=timeouts.start)
         self._next_id = 1
@@ -154,6 +156,7 @@ class Session:
         self.outboxes.put(island, payload, refs)
 
     def hosts_of(self, island: int, host_ids: Sequence[int]) -> list[Any]:
+        """The actors of hosts ``host_ids`` of ``island``."""
         return [self.islands[island].hosts[h] for h in host_ids]
 
     def usage(self, island: int, host: int = 0, reset_peak: bool = False) -> dict:
@@ -164,6 +167,7 @@ class Session:
                        timeout=self.timeouts.fetch)
 
     def epoch(self, island: int) -> int:
+        """How many times ``island`` had restarted when this client last looked."""
         return self.islands[island].epoch
 
     def limits(self, island: int) -> Limits:
@@ -290,6 +294,8 @@ class Session:
 
     # -- teardown -----------------------------------------------------------------------------------------
     def close(self) -> None:
+        """End the session: free every buffer of this client on the islands, flush what is held, and tell the
+        resource manager, which releases the client's slices. Idempotent."""
         if self.closed:
             return
         self.closed = True
@@ -327,9 +333,11 @@ class FreeBatcher:
         self._thread.start()
 
     def add(self, island: int, buffer_id: int) -> None:
+        """Free ``buffer_id`` on ``island`` with the next batch; safe from any thread."""
         self._pending[island].append(buffer_id)
 
     def take(self, island: int) -> list[int]:
+        """Every id waiting to be freed on ``island`` (they ride on the caller's next message there)."""
         q = self._pending[island]
         out = []
         while q:
@@ -337,6 +345,7 @@ class FreeBatcher:
         return out
 
     def flush(self) -> None:
+        """Send every island's waiting frees now, as one Free message per island."""
         for island in range(len(self._pending)):
             ids = self.take(island)
             if ids and island not in self._session.dead:
@@ -350,6 +359,7 @@ class FreeBatcher:
                 log.warning("freeing buffers failed: %s", exc)
 
     def stop(self) -> None:
+        """Stop the background flush, after one last flush."""
         self._stop.set()
         self.flush()
 
@@ -360,6 +370,7 @@ _started: dict[str, tuple[str, str, str]] = {}  # runtimes this process started:
 
 
 def current() -> Session:
+    """The open session of this process; PathwaysError before ``pw.init`` or after ``pw.shutdown``."""
     if _session is None or _session.closed:
         raise PathwaysError("pathways is not initialized; call pw.init() first")
     return _session
@@ -368,13 +379,16 @@ def current() -> Session:
 def init(topology: Topology | None = None, address: str | None = None, *, tenant: str | None = None,
          credential: str | None = None, timeouts: Timeouts | None = None,
          default_quota: int | None = None) -> Session:
-    """Connect to (or start) a cluster and open a session. Idempotent: a second call returns the same session.
+    """Connect to (or start) a cluster and open this process's session. Idempotent: a second call returns
+    the same session.
 
     Args:
         topology: the islands to start (``pw.Topology``). With no ``address``, an embedded local Ray
             cluster is started with it (default: 2 islands x 1 host x 4 CPU devices); with an address,
-            a runtime is started on that cluster only if none runs there yet.
-        address: a Ray cluster to attach to (``"host:port"`` or ``"auto"``; default ``RAY_ADDRESS``).
+            a runtime is started on that cluster only if none runs there yet. Where a runtime already
+            runs, a given topology must equal the running one.
+        address: a Ray cluster to attach to (``"host:port"`` or ``"auto"``; default ``RAY_ADDRESS``, else
+            a live cluster recorded on this machine, else an embedded one this call starts).
         tenant: the tenant to act as (default ``PATHWAYS_TENANT``, else ``"default"``). On an embedded
             cluster this is its one implicit tenant and needs no credential.
         credential: the tenant's credential, issued by the cluster's admin (default
@@ -384,6 +398,16 @@ def init(topology: Topology | None = None, address: str | None = None, *, tenant
         default_quota: the device quota of new tenants, on a runtime this call starts.
 
     Weights and quotas come from the cluster's tenant registry, never from the client.
+
+    Returns:
+        The session. Other calls find it themselves; ``pw.shutdown`` closes it.
+
+    Raises:
+        PathwaysError: no Ray cluster answers at ``address``; the cluster runs no pathways runtime and no
+            ``topology`` was given; the resource manager does not answer within ``timeouts.start``; or
+            ``topology``/``timeouts`` is of the wrong type.
+        ResourceError: the running runtime has another topology, or the runtime could not start.
+        TenantAccessError: there is no credential for ``tenant``, or the resource manager refuses it.
     """
     global _session
     with _lock:
@@ -435,7 +459,11 @@ def _read_credential(tenant: str) -> str | None:
 
 
 def shutdown() -> None:
-    """Free this client's buffers and slices; stop the embedded cluster if init started it."""
+    """Close this process's session: free its buffers on the islands and release its slices; stop the
+    embedded Ray instance if ``pw.init`` started it. A no-op without a session; ``pw.init`` may follow.
+
+    Arrays and slices of the closed session can no longer be used.
+    """
     global _session
     with _lock:
         session, _session = _session, None

@@ -31,6 +31,7 @@ class VirtualSlice:
 
     @property
     def size(self) -> int:
+        """Number of devices in the slice."""
         return math.prod(self.shape)
 
     @property
@@ -39,9 +40,11 @@ class VirtualSlice:
         return tuple(sorted({h for h, _ in self.devices}))
 
     def desc(self) -> SliceDesc:
+        """The slice as islands see it: key, mesh, and (host, local device) per mesh device."""
         return SliceDesc(self.key, self.shape, self.axis_names, self.devices)
 
     def abstract_mesh(self) -> AbstractMesh:
+        """The slice's mesh without devices (axis types Auto): what the client exports StableHLO against."""
         return AbstractMesh(self.shape, self.axis_names, axis_types=(AxisType.Auto,) * len(self.shape))
 
     def release(self) -> None:
@@ -63,7 +66,26 @@ class VirtualSlice:
 
 
 def slice(shape: Sequence[int], axis_names: Sequence[str], island: int | None = None) -> VirtualSlice:  # noqa: A001
-    """Ask the resource manager for a virtual slice; raises ResourceError if it cannot exist."""
+    """Ask the resource manager for a virtual slice: a mesh of ``shape`` over ``axis_names`` on one island.
+
+    The slice maps one-to-one onto distinct devices of a single island: the least-loaded healthy island
+    unless ``island`` is given, on one host when it fits there. Slices (of any tenant) may share devices;
+    the island's scheduler time-multiplexes them. Its devices count against the tenant's quota until the
+    slice is released.
+
+    Args:
+        shape: the mesh shape, e.g. ``(2, 2)``; at most as many devices as one island has.
+        axis_names: one distinct, non-empty name per mesh dimension, e.g. ``("data", "model")``.
+        island: the island to place it on (default: the resource manager picks).
+
+    Returns:
+        A ``pw.VirtualSlice``. Use it as a context manager, or ``pw.release`` it, to free the allocation.
+
+    Raises:
+        ResourceError: the slice cannot exist: a malformed shape or axis names, more devices than an
+            island has, an unknown or unhealthy island, or over the tenant's device quota.
+        PathwaysError: ``pw.init`` was not called.
+    """
     session = current()
     try:
         body = {"shape": [int(n) for n in shape], "axes": [str(a) for a in axis_names], "island": island}
@@ -77,5 +99,12 @@ def slice(shape: Sequence[int], axis_names: Sequence[str], island: int | None = 
 
 
 def release(s: VirtualSlice) -> None:
-    """Free a slice's allocation. Arrays on it stay valid until they are dropped."""
+    """Free a slice's allocation (idempotent).
+
+    Arrays already on it can still be fetched until they are dropped; new computations, puts and transfers
+    on the slice, or taking its arrays as arguments, raise ProgramError.
+
+    Args:
+        s: a slice from ``pw.slice``.
+    """
     s.release()

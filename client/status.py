@@ -21,8 +21,23 @@ HOST_FIELDS = ("buffers", "buffer_bytes", "compiles", "cache_hits", "queue_depth
 
 
 def status(timeout: float = 10.0) -> ClusterStatus:
-    """A snapshot of the cluster this process is attached to (``pw.init`` first); waits at most ``timeout``
-    seconds for the hosts' counters (a host that does not answer is reported as not alive)."""
+    """A snapshot of the cluster as this client's tenant may see it (``pw.init`` first).
+
+    It names this tenant's own slices, clients and losses, and shows other tenants only as counts (the
+    whole cluster is ``pathways status`` with the admin credential). ``print(pw.status())`` gives a
+    readable summary.
+
+    Args:
+        timeout: seconds to wait for the hosts' and schedulers' counters; a host that does not answer in
+            time is reported as not alive.
+
+    Returns:
+        A ``pw.ClusterStatus``: topology, islands with their health, hosts and counters, this tenant's
+        slices and share of each island's time.
+
+    Raises:
+        PathwaysError: ``pw.init`` was not called, or the resource manager does not answer.
+    """
     session = current()
     state = session.request("state", {})
     mac = session.sign("schedule_stats")

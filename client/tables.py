@@ -7,16 +7,19 @@ from typing import Any
 
 
 def table(headers: list[str], rows: list[list[Any]]) -> str:
+    """Rows under headers, each column as wide as its widest cell."""
     cells = [headers] + [[str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
 
 
 def clock(t: float | None) -> str:
+    """A wall-clock time as local 'YYYY-mm-dd HH:MM:SS', or '-' for none."""
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
 
 
 def short(s: str, n: int) -> str:
+    """``s`` cut to at most ``n`` characters, ending in '...' when cut."""
     return s if len(s) <= n else s[: n - 3] + "..."
 
 

@@ -68,6 +68,7 @@ def user_line() -> str:
 
 
 def norm_spec(spec: P) -> tuple:
+    """A PartitionSpec as a hashable tuple without trailing None entries, so equal shardings compare equal."""
     entries = spec_to_wire(spec)
     while entries and entries[-1] is None:
         entries.pop()
@@ -106,12 +107,15 @@ class InTrace:
         return self._refuse("taking the length of")
 
     def item(self) -> Any:
+        """Refused: a traced value has no contents."""
         return self._refuse("reading an item of")
 
     def tolist(self) -> Any:
+        """Refused: a traced value has no contents."""
         return self._refuse("reading")
 
     def fetch(self, *args: Any) -> Any:
+        """Refused: a traced value has no contents."""
         return self._refuse("fetching")
 
     def _op(self, *args: Any) -> Any:
@@ -127,6 +131,7 @@ class InTrace:
 
     @property
     def aval(self) -> tuple[tuple[int, ...], Any, bool]:
+        """(shape, dtype, weak_type) as a ``jax.jit`` argument."""
         return self.shape, self.dtype, self.weak_type
 
 
@@ -147,11 +152,13 @@ class TracedValue(InTrace):
 
     @property
     def shape(self) -> tuple[int, ...]:
+        """The value's shape as the user sees it (a key array's, without its key data's trailing dims)."""
         shape = self.value.shape
         return shape[:len(shape) - len(self.key.data_shape)] if self.key is not None else shape
 
     @property
     def dtype(self) -> Any:
+        """The value's dtype as the user sees it (a key array's key dtype)."""
         return self.key.dtype if self.key is not None else np.dtype(self.value.dtype)
 
     slice = property(lambda self: self.value.slice)
@@ -206,10 +213,12 @@ class Trace:
         self.donations: list[tuple[int, tuple[int, ...]]] = []  # (node index, input positions it asks to donate)
 
     def new_value(self, shape: tuple[int, ...], dtype: np.dtype, slice: Any, spec: P) -> Value:  # noqa: A002
+        """A new value of the graph, numbered in order of creation."""
         self._slots += 1  # renumbered once the body returns, so that the program's inputs come first
         return Value(self._slots - 1, tuple(shape), np.dtype(dtype), slice, spec)
 
     def add_input(self, shape: tuple[int, ...], dtype: np.dtype, slice: Any, spec: P, source: Any) -> Value:  # noqa: A002
+        """A new program input; ``source`` says where a call supplies it from (``Trace.sources``)."""
         value = self.new_value(shape, dtype, slice, spec)
         self.program.inputs.append(value)
         self.sources.append(source)
@@ -251,6 +260,8 @@ class Trace:
                            "(static_argnums/static_argnames)")
 
     def call(self, fn: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """A call of pw.jit function ``fn`` inside the body: a Compute node, with transfers of arguments that live on
+        another slice or with another sharding; returns its outputs as TracedValues."""
         bound = fn.bind(args, kwargs)
         paths = jax.tree_util.tree_flatten_with_path((bound.dyn_args, bound.dyn_kwargs))[0]
         leaves = [self.operand(leaf, fn.name, f"argument {arg_path(path)}") for path, leaf in paths]

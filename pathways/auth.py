@@ -32,6 +32,7 @@ def new_secret() -> str:
 
 
 def new_key() -> bytes:
+    """A fresh 256-bit key (a session key or the runtime key), as raw bytes."""
     return secrets.token_bytes(KEY_BYTES)
 
 
@@ -41,6 +42,7 @@ def digest(secret: str) -> str:
 
 
 def matches(secret: str, stored_digest: str) -> bool:
+    """Whether ``secret`` hashes to ``stored_digest``; compares in constant time."""
     return hmac.compare_digest(digest(secret), stored_digest)
 
 

@@ -14,6 +14,13 @@ from pathways.topology import Topology
 
 @dataclass(frozen=True)
 class HostStatus:
+    """One island host: where it runs, whether it answered, and its counters (buffers, compiles, work, traffic).
+
+    ``busy_s`` is the total time the host spent executing ops, ``busy_fraction`` its share of the last few
+    seconds; ``bytes_in``/``bytes_out`` count what it received from and sent to other islands' hosts. Counters
+    name no tenant.
+    """
+
     island: int
     host: int
     node: str
@@ -36,6 +43,8 @@ class HostStatus:
 
 @dataclass(frozen=True)
 class IslandStatus:
+    """One island: its health, its hosts, its queue, how its time was shared between tenants, and its restarts."""
+
     index: int
     healthy: bool
     reason: str
@@ -66,6 +75,12 @@ def _shares(times: dict[str, float], others: float = 0.0) -> dict[str, float]:
 
 @dataclass(frozen=True)
 class ClusterStatus:
+    """What ``pw.status()`` returns: the topology, each island's status, the slices allocated, and the tenants.
+
+    A tenant's snapshot names only its own slices (``allocations``), clients, tenant record and losses, with the
+    rest in ``others`` as counts; the admin's names everything. ``str()`` gives a readable summary.
+    """
+
     topology: Topology
     islands: list[IslandStatus]
     allocations: list[dict]
@@ -75,6 +90,7 @@ class ClusterStatus:
     others: dict = field(default_factory=dict)  # other tenants' slices and devices, as counts
 
     def host(self, island: int, host: int = 0) -> HostStatus:
+        """The status of host ``host`` of island ``island``."""
         return self.islands[island].hosts[host]
 
     def __str__(self) -> str:

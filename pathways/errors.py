@@ -48,4 +48,6 @@ def to_wire(exc: BaseException) -> tuple[str, str]:
 
 
 def from_wire(kind: str, message: str) -> PathwaysError:
+    """The exception a host's ``(kind, message)`` stands for, to raise in the client; unknown kinds become
+    PathwaysError."""
     return _KINDS.get(kind, PathwaysError)(message)

@@ -27,12 +27,15 @@ class Value:
 
     @property
     def nbytes(self) -> int:
+        """The array's size in bytes."""
         return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
 
     def describe(self) -> str:
+        """Dtype and shape, e.g. ``float32[4, 4]``."""
         return f"{np.dtype(self.dtype).name}{list(self.shape)}"
 
     def aval(self) -> Aval:
+        """Its shape and dtype in wire form."""
         return Aval(tuple(self.shape), np.dtype(self.dtype).name)
 
 
@@ -59,14 +62,17 @@ class Transfer:
 
     @property
     def name(self) -> str:
+        """A label for graphs and traces."""
         return f"transfer {self.source.describe()}"
 
     @property
     def inputs(self) -> tuple[Value, ...]:
+        """The value read: the source."""
         return (self.source,)
 
     @property
     def outputs(self) -> tuple[Value, ...]:
+        """The value written: the target."""
         return (self.target,)
 
 
@@ -85,6 +91,7 @@ class Program:
 
     @property
     def values(self) -> list[Value]:
+        """Every value of the program: its inputs, then each node's outputs in execution order."""
         produced = [v for n in self.nodes for v in n.outputs]
         return self.inputs + produced
 
@@ -96,6 +103,7 @@ class Program:
 
     @property
     def islands(self) -> frozenset[int]:
+        """The islands the program's values live on."""
         return frozenset(v.slice.island for v in self.values)
 
     def to_dot(self) -> str:

@@ -44,6 +44,7 @@ class Call:
     frees: tuple[int, ...]
 
     def encode(self) -> bytes:
+        """The message's wire bytes."""
         return wire.encode("call", {"template": self.template, "base": self.base, "inputs": list(self.inputs),
                                     "exes": dict(self.exes), "frees": list(self.frees)})
 
@@ -60,6 +61,7 @@ class Put:
     per_host: bool = False
 
     def encode(self) -> bytes:
+        """The message's wire bytes."""
         body: dict[str, Any] = {"id": self.id, "slice": self.slice.to_wire(), "spec": spec_to_list(self.spec),
                                 "aval": self.aval.to_wire()}
         if self.per_host:
@@ -76,6 +78,7 @@ class Free:
     everything: bool = False
 
     def encode(self) -> bytes:
+        """The message's wire bytes."""
         return wire.encode("free", {"ids": list(self.ids), "everything": self.everything})
 
 
@@ -103,10 +106,12 @@ class Fetch:
     ready_only: bool
 
     def encode(self) -> bytes:
+        """The message's wire bytes."""
         return wire.encode("fetch", {"id": self.id, "timeout": self.timeout, "ready_only": self.ready_only})
 
     @classmethod
     def decode(cls, payload: bytes) -> Fetch:
+        """A fetch from its wire bytes; WireFormatError unless the timeout is a finite number >= 0."""
         msg = wire.decode(payload, "fetch")
         timeout = float(msg["timeout"])
         if not math.isfinite(timeout) or timeout < 0:
@@ -138,6 +143,7 @@ class Deliver:
     dtype: str | None = None
 
     def encode(self) -> bytes:
+        """The message's wire bytes."""
         body: dict[str, Any] = {"key": self.key, "src": self.src, "host": self.host,
                                 "shards": [[list(r) for r in s] for s in self.shards]}
         if self.failure is not None:
@@ -151,6 +157,7 @@ class Deliver:
 
     @classmethod
     def from_wire(cls, msg: Mapping) -> Deliver:
+        """A delivery from its decoded message; WireFormatError on too many shards or a malformed failure."""
         if len(msg["shards"]) > MAX_SHARDS:
             raise WireFormatError(f"deliver: {len(msg['shards'])} shards, over the limit of {MAX_SHARDS}")
         failure = msg.get("failure")

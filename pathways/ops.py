@@ -54,10 +54,12 @@ def spec_of(entries: Sequence) -> WireSpec:
 
 
 def spec_to_list(spec: WireSpec) -> list:
+    """A wire spec in its msgpack form (tuples of axis names as lists)."""
     return [list(e) if isinstance(e, tuple) else e for e in spec]
 
 
 def spec_axes(spec: WireSpec) -> list[str]:
+    """Every mesh axis a wire spec names, in order."""
     return [a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)]
 
 
@@ -78,21 +80,26 @@ class Aval:
 
     @classmethod
     def from_wire(cls, d: Mapping) -> Aval:
+        """An aval from its msgpack form."""
         return cls(tuple(d["shape"]), d["dtype"])
 
     def to_wire(self) -> dict:
+        """The aval's msgpack form."""
         return {"shape": list(self.shape), "dtype": self.dtype}
 
     @property
     def nbytes(self) -> int:
+        """The array's size in bytes."""
         return math.prod(self.shape) * dtype_of(self.dtype).itemsize
 
     def check(self, what: str) -> None:
+        """ProgramError unless the shape is a valid array shape; WireFormatError for an unknown dtype."""
         if len(self.shape) > MAX_RANK or any(n < 0 for n in self.shape):
             raise ProgramError(f"{what}: shape {self.shape} is not a valid array shape")
         dtype_of(self.dtype)
 
     def describe(self) -> str:
+        """Dtype and shape, e.g. ``float32[4, 4]``."""
         return f"{self.dtype}{list(self.shape)}"
 
 
@@ -107,17 +114,22 @@ class SliceDesc:
 
     @classmethod
     def from_wire(cls, d: Mapping) -> SliceDesc:
+        """A slice description from its msgpack form."""
         return cls(d["key"], tuple(d["shape"]), tuple(d["axes"]), tuple(tuple(x) for x in d["devices"]))
 
     def to_wire(self) -> dict:
+        """The slice description's msgpack form."""
         return {"key": self.key, "shape": list(self.shape), "axes": list(self.axes),
                 "devices": [list(x) for x in self.devices]}
 
     @property
     def hosts(self) -> tuple[int, ...]:
+        """The island's hosts this slice spans, in order."""
         return tuple(sorted({h for h, _ in self.devices}))
 
     def check(self, limits: Limits) -> None:
+        """ProgramError unless the mesh matches its devices and its axis names are distinct; ResourceError when a
+        device does not exist on the island ``limits`` describes."""
         what = f"slice {self.key!r}"
         if (not self.shape or len(self.shape) != len(self.axes) or any(n < 1 for n in self.shape)
                 or math.prod(self.shape) != len(self.devices)):
@@ -152,15 +164,19 @@ class Op:
     frees: tuple[int, ...]
 
     def reads(self) -> tuple[int, ...]:
+        """The slots the op reads."""
         return ()
 
     def writes(self) -> tuple[int, ...]:
+        """The slots the op writes."""
         return ()
 
     def touches(self) -> tuple[int, ...]:
+        """Every slot the op reads or writes."""
         return self.reads() + self.writes()
 
     def label(self) -> str:
+        """The op's name in traces and errors."""
         return self.KIND
 
     def check(self, template: Template, limits: Limits) -> None:
@@ -183,15 +199,20 @@ class Exec(Op):
     donate: tuple[int, ...] = ()  # positions in ``inputs`` whose buffers XLA may reuse for outputs
 
     def reads(self) -> tuple[int, ...]:
+        """The input slots."""
         return self.inputs
 
     def writes(self) -> tuple[int, ...]:
+        """The output slots."""
         return self.outputs
 
     def label(self) -> str:
+        """The compiled function's name."""
         return self.name
 
     def check(self, template: Template, limits: Limits) -> None:
+        """The executable hash is a sha256 digest, the slice is the fragment's, one valid spec per input and output,
+        and the donated positions are distinct inputs."""
         what = f"op exec {self.name!r}"
         if not _HASH.match(self.exe):
             raise WireFormatError(f"{what}: executable hash {self.exe[:80]!r} is not a sha256 hex digest")
@@ -216,9 +237,11 @@ class Route:
 
     @classmethod
     def from_wire(cls, d: Mapping) -> Route:
+        """A route from its msgpack form; WireFormatError on a malformed region."""
         return cls(d["host"], d["to"], tuple(region_of(s) for s in d["shards"]))
 
     def to_wire(self) -> dict:
+        """The route's msgpack form."""
         return {"host": self.host, "to": self.to, "shards": [[list(r) for r in s] for s in self.shards]}
 
 
@@ -246,9 +269,12 @@ class Send(Op):
     frees: tuple[int, ...] = ()
 
     def reads(self) -> tuple[int, ...]:
+        """The value sent."""
         return (self.source,)
 
     def check(self, template: Template, limits: Limits) -> None:
+        """The target is another island, the receive slot a value of this call, and each route names hosts that exist.
+        """
         if not 0 <= self.island < limits.islands or self.island == limits.island:
             raise ResourceError(f"op send: island {self.island} is not another island of this cluster "
                                 f"({limits.islands} islands)")
@@ -288,6 +314,7 @@ class Recv(Op):
     frees: tuple[int, ...] = ()
 
     def writes(self) -> tuple[int, ...]:
+        """The slot the landed array fills."""
         return (self.out,)
 
     def expected(self, host: int) -> Expect | None:
@@ -299,6 +326,8 @@ class Recv(Op):
                       {r.host: frozenset(r.shards) for r in mine})
 
     def check(self, template: Template, limits: Limits) -> None:
+        """The array fits the slice and its hosts, the source is another island, and each route names hosts that exist
+        and regions of the array."""
         what = f"op recv of {self.aval.describe()}"
         self.aval.check(what)
         desc = template.slice(self.slice, what)
@@ -329,12 +358,15 @@ class Reshard(Op):
     frees: tuple[int, ...] = ()
 
     def reads(self) -> tuple[int, ...]:
+        """The value resharded."""
         return (self.source,)
 
     def writes(self) -> tuple[int, ...]:
+        """The resharded value's slot."""
         return (self.out,)
 
     def check(self, template: Template, limits: Limits) -> None:
+        """The slice is the fragment's and the spec names only its axes."""
         template.slice(self.slice, "op reshard").check_spec(self.spec, None, "op reshard")
 
 
@@ -382,6 +414,7 @@ def op_from_wire(d: Mapping) -> Op:
 
 
 def op_to_wire(op: Op) -> dict:
+    """An op's msgpack map (the inverse of ``op_from_wire``)."""
     out: dict[str, Any]
     if isinstance(op, Exec):
         out = {"op": "exec", "exe": op.exe, "slice": op.slice, "in": list(op.inputs), "out": list(op.outputs),
@@ -419,12 +452,14 @@ class Template:
     ops: tuple[Op, ...]
 
     def slice(self, key: str, what: str) -> SliceDesc:
+        """The fragment's slice ``key``; ProgramError (prefixed by ``what``) when the fragment has none by that name."""
         desc = self.slices.get(key)
         if desc is None:
             raise ProgramError(f"{what}: slice {key!r} is not one of this fragment's slices")
         return desc
 
     def encode(self) -> bytes:
+        """The template's wire bytes."""
         return wire.encode("template", {"program": self.program, "n_inputs": self.n_inputs, "n_values": self.n_values,
                                         "slices": {k: s.to_wire() for k, s in self.slices.items()},
                                         "ops": [op_to_wire(op) for op in self.ops]})
@@ -501,6 +536,8 @@ class TemplateCache:
         self._decoded: dict[bytes, Template | Exception] = {}
 
     def get(self, blob: bytes) -> Template:
+        """The checked template ``blob`` encodes, decoded on first sight; raises the error it failed with, every time.
+        """
         template = self._decoded.get(blob)
         if template is None:
             try:

@@ -21,6 +21,7 @@ Index = tuple[tuple[int, int], ...]  # (start, stop) per dimension
 
 
 def spec_to_wire(spec: P) -> list:
+    """A PartitionSpec's msgpack form: each entry None, an axis name, or a list of axis names."""
     out: list = []
     for entry in spec:
         if entry is None or isinstance(entry, str):
@@ -31,6 +32,7 @@ def spec_to_wire(spec: P) -> list:
 
 
 def spec_from_wire(entries: Sequence) -> P:
+    """A PartitionSpec from its msgpack form."""
     return P(*(tuple(e) if isinstance(e, list) else e for e in entries))
 
 
@@ -68,6 +70,7 @@ def check_spec(spec: P, shape: Sequence[int], mesh_shape: Sequence[int],
 
 
 def coords(flat: int, mesh_shape: Sequence[int]) -> tuple[int, ...]:
+    """The mesh coordinates of device ``flat`` (row-major) on a mesh of ``mesh_shape``."""
     out = []
     for size in reversed(mesh_shape):
         out.append(flat % size)
@@ -114,6 +117,7 @@ def intersection(a: Index, b: Index) -> Index | None:
 
 
 def overlaps(a: Index, b: Index) -> bool:
+    """Whether two regions share any element."""
     return intersection(a, b) is not None
 
 

@@ -64,6 +64,7 @@ class Topology:
 
     @property
     def devices_per_island(self) -> int:
+        """Devices per island: hosts per island times devices per host."""
         return self.hosts_per_island * self.devices_per_host
 
     def labels_of(self, island: int) -> dict[str, str]:
@@ -75,6 +76,7 @@ class Topology:
         return dict(dict(self.host_resources).get(island, ()))
 
     def to_wire(self) -> dict:
+        """The topology's msgpack form; pins appear only when set."""
         out: dict[str, Any] = {
             "islands": self.islands,
             "hosts_per_island": self.hosts_per_island,
@@ -89,6 +91,7 @@ class Topology:
 
     @classmethod
     def from_wire(cls, d: dict) -> Topology:
+        """A topology from its msgpack form, validated as on construction."""
         return cls(**d)
 
     def __str__(self) -> str:

@@ -127,6 +127,7 @@ class Admission:
             self._early.pop(client, None)
 
     def waiting(self) -> int:
+        """Batches waiting for an earlier message of their client's stream."""
         with self._lock:
             return sum(len(e) for e in self._early.values())
 

@@ -1,8 +1,8 @@
 """Reusable landing buffers for received shards, so a transfer writes into memory that is already mapped.
 
-A fresh 64 MiB numpy array costs more than the copy into it: every page
-faults on first touch (4-8 ms here), and the kernel sometimes stalls for
-100+ ms compacting memory into the huge pages numpy asks for. Training loops
+A fresh large numpy array can cost more than the copy into it: every page
+faults on first touch, and the kernel sometimes stalls compacting memory
+into the huge pages numpy asks for. Training loops
 receive the same shapes every step, so a host keeps the buffers of received
 shards once nothing uses them any more and hands them out again by size.
 
@@ -54,6 +54,8 @@ class BufferPool:
         self.allocated = 0
 
     def take(self, shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
+        """An uninitialized, 64-byte aligned array of ``shape`` and ``dtype``, reusing a free allocation of its size
+        when there is one."""
         dtype = np.dtype(dtype)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         size = nbytes + ALIGNMENT
@@ -89,6 +91,7 @@ class BufferPool:
                 del self._free[size]
 
     def stats(self) -> dict:
+        """The pool's counters: bytes kept free, allocations reused, allocations made."""
         with self._lock:
             self._collect()
             return {"pool_free_bytes": self.free_bytes, "pool_reused": self.reused,

@@ -34,6 +34,8 @@ class Failure:
 
 @dataclass
 class Entry:
+    """One buffer: the tenant that owns it and its value (a ``jax.Array``, or the Failure that replaced it)."""
+
     tenant: str
     value: Any  # jax.Array | Failure
     nbytes: int = field(init=False)  # read on every put and drop: jax.Array.nbytes is a Python property
@@ -43,7 +45,12 @@ class Entry:
 
 
 class BufferTable:
-    """Buffers by id, each owned by a tenant; bytes and their peak are counted per tenant and in all."""
+    """Buffers by id, each owned by a tenant; bytes and their peak are counted per tenant and in all.
+
+    Every lookup names the tenant, and another tenant's buffer is refused (or, for frees, ignored). A
+    buffer with pending uses (``add_uses``) is only doomed by a free; the last ``done_using`` drops it.
+    ``cond`` is the host's condition: the executor holds it while it admits and advances runs.
+    """
 
     def __init__(self, cond: threading.Condition) -> None:
         self._cond = cond
@@ -78,6 +85,8 @@ class BufferTable:
         return old
 
     def put(self, buffer_id: int, tenant: str, value: Any) -> None:
+        """Store ``value`` as buffer ``buffer_id`` of ``tenant`` and wake the waits for it; TenantAccessError if another
+        tenant owns that id."""
         with self._cond:
             entry = self._entries.get(buffer_id)
             if entry is not None and entry.tenant != tenant:
@@ -128,6 +137,7 @@ class BufferTable:
             self.add_uses(ids)
 
     def release(self, ids: list[int]) -> None:
+        """End the uses ``hold`` counted; a buffer freed meanwhile is dropped now."""
         with self._cond:
             self.done_using(ids)
 
@@ -168,9 +178,12 @@ class BufferTable:
 
     # -- uses and frees -------------------------------------------------------------------------------------
     def add_uses(self, ids: list[int]) -> None:
+        """Count one more pending use of each id (an admitted op that reads or writes it); the caller holds the
+        condition."""
         self._uses.update(ids)
 
     def done_using(self, ids: list[int]) -> None:
+        """End one use of each id, dropping the doomed ones nothing uses any more; the caller holds the condition."""
         for i in ids:
             self._uses[i] -= 1
             if self._uses[i] <= 0:
@@ -180,6 +193,8 @@ class BufferTable:
                     self._drop(i)
 
     def free(self, ids: list[int], tenant: str) -> None:
+        """Drop ``tenant``'s buffers ``ids``, or doom those a pending op still uses (the last use drops them); ids of
+        another tenant are ignored without a word."""
         with self._cond:  # re-entrant: the executor frees while holding it
             for i in ids:
                 entry = self._entries.get(i)
@@ -198,6 +213,7 @@ class BufferTable:
         return len(ids)
 
     def free_tenant(self, tenant: str) -> int:
+        """Drop every buffer of ``tenant`` at once (the tenant was removed); returns how many."""
         with self._cond:
             ids = [i for i, e in self._entries.items() if e.tenant == tenant]
             for i in ids:
@@ -205,6 +221,7 @@ class BufferTable:
             return len(ids)
 
     def clear(self) -> None:
+        """Drop every buffer."""
         with self._cond:
             self._entries.clear()
             self._doomed.clear()
@@ -220,6 +237,7 @@ class BufferTable:
 
     @property
     def nbytes(self) -> int:
+        """Bytes resident now, over every tenant."""
         return self._bytes
 
     @property
@@ -245,6 +263,7 @@ class BufferTable:
             return peak
 
     def by_tenant(self) -> dict[str, tuple[int, int]]:
+        """(buffers, bytes) each tenant holds now."""
         out: dict[str, list[int]] = {}
         for e in list(self._entries.values()):
             agg = out.setdefault(e.tenant, [0, 0])

@@ -129,6 +129,7 @@ class Channel:
             return link
 
     def close(self) -> None:
+        """Stop serving, close every link, and remove the socket file."""
         self._server.close()
         with self._lock:
             for conn, _ in self._links.values():

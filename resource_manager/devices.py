@@ -25,12 +25,15 @@ class LocalDevices:
 
     @property
     def local(self) -> list[jax.Device]:
+        """This host's JAX devices, in id order."""
         return self._devices.get(self.host, [])
 
     def describe(self) -> list[str]:
+        """This host's devices as 'platform:id'."""
         return [f"{d.platform}:{d.id}" for d in self.local]
 
     def mesh(self, desc: SliceDesc) -> Mesh:
+        """The Mesh of a slice over the island's devices (cached by its shape, axes and devices)."""
         key = (desc.shape, desc.axes, desc.devices)
         mesh = self._meshes.get(key)
         if mesh is None:
@@ -40,9 +43,11 @@ class LocalDevices:
         return mesh
 
     def sharding(self, desc: SliceDesc, spec: WireSpec) -> NamedSharding:
+        """A NamedSharding of ``spec`` on a slice's mesh."""
         return NamedSharding(self.mesh(desc), spec_from_wire(spec))
 
     def participates(self, desc: SliceDesc) -> bool:
+        """Whether any of the slice's devices is on this host."""
         return any(h == self.host for h, _ in desc.devices)
 
     def wanted(self, desc: SliceDesc, shape: Sequence[int], spec: WireSpec) -> list[tuple[jax.Device, Index]]:

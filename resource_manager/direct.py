@@ -1,15 +1,15 @@
 """Same-node transfers without the object store: the receiver copies shards straight out of the sender.
 
-Writing a large array into Ray's object store runs at about 2 GB/s here (its
-shared-memory pages are slow to fill), several times slower than a memcpy. Two
-hosts on one node share a kernel, so the sender instead *lends* its shards: it
-keeps the arrays alive and sends their addresses. The receiver's recv op copies
-them with Linux's cross-memory attach (``process_vm_readv``, what MPI libraries
-use for large intra-node messages) straight into the buffers its devices will
-adopt: one copy, even when resharding, because one call reads a contiguous
-stretch of the sender's memory and scatters it over many local segments (the
-rows of several destination shards). Then the lease goes back and the sender
-lets go of the arrays.
+Writing a large array into Ray's object store is several times slower than a
+memcpy (its shared-memory pages are slow to fill). Two hosts on one node share
+a kernel, so the sender instead *lends* its shards: it keeps the arrays alive
+and sends their addresses. The receiver's recv op copies them with Linux's
+cross-memory attach (``process_vm_readv``, what MPI libraries use for large
+intra-node messages) straight into the buffers its devices will adopt: one
+copy, even when resharding, because one call reads a contiguous stretch of the
+sender's memory and scatters it over many local segments (the rows of several
+destination shards). Then the lease goes back and the sender lets go of the
+arrays.
 
 A route uses this path only after a probe showed that the receiver runs on the
 same Ray node and may read this process (the kernel's ptrace rules allow it:
@@ -32,7 +32,6 @@ import numpy as np
 
 from pathways.sharding import Index, intersection
 
-MIN_BYTES = 100 * 1024  # below this Ray sends the bytes inline with the message, which is cheaper
 CHUNK = 4 * 2**20  # bytes per read call: big copies are split over several threads
 IOV_MAX = 1024  # Linux's limit on segments per call
 THREADS = max(1, min(4, os.cpu_count() or 1))

@@ -41,6 +41,7 @@ _OVERFLOW = 1 << 62
 
 
 def content_hash(blob: bytes) -> str:
+    """The sha256 hex digest that names an executable (the client computes the same)."""
     return hashlib.sha256(blob).hexdigest()
 
 
@@ -91,10 +92,11 @@ class ExecutableCache:
             held[exe_hash] = len(blob)
 
     def has(self, tenant: str, exe_hash: str) -> bool:
+        """Whether ``tenant``'s clients sent the executable ``exe_hash`` to this host."""
         return exe_hash in self._blobs.get(tenant, {})
 
     def drop_tenant(self, tenant: str) -> None:
-        """Forget everything a tenant sent and compiled (its last session on this host ended)."""
+        """Forget everything a tenant sent and compiled (the last of its sessions on this host ended)."""
         with self._lock:
             self._blobs.pop(tenant, None)
             self._compiled.pop(tenant, None)
@@ -158,6 +160,7 @@ class ExecutableCache:
             self.evictions += 1
 
     def tenant_stats(self, tenant: str) -> dict[str, int]:
+        """One tenant's compiled executables on this host: how many, their estimated bytes, and its blobs' bytes."""
         compiled = self._compiled.get(tenant, {})
         return {"executables": len(compiled), "compiled_bytes": sum(e.nbytes for e in compiled.values()),
                 "blob_bytes": sum(self._blobs.get(tenant, {}).values())}

@@ -51,7 +51,14 @@ class Report:
 
 
 class Executor:
-    """The loop of one host. ``admit`` and ``resume`` are called in sequence order with ``cond`` held."""
+    """The loop of one host: runs admitted fragments' ops as their inputs arrive, in the island's order.
+
+    ``admit`` and ``resume`` are called in sequence order with ``cond`` held. The loop runs on its own
+    thread: each pass advances every runnable run (on a multi-host island, ``strict``, only the oldest),
+    runs each op through ``handlers``, frees what an op's ``frees`` name once it is done, fails an op
+    whose inputs do not arrive within ``op_timeout``, and hands what finished, blocked or landed to the
+    ``report`` sink. A failed op writes its failure to its outputs; the run and the island go on.
+    """
 
     def __init__(self, island: int, host: int, strict: bool, handlers: Handlers, receiver: Receiver,
                  table: BufferTable, cond: threading.Condition, op_timeout: float, events: EventLog,
@@ -77,6 +84,8 @@ class Executor:
 
     # -- admission (in sequence order, cond held) ---------------------------------------------------------
     def admit(self, run: Run) -> None:
+        """Take the next run in sequence order: count its uses, announce its receives, and queue it (or fail it at once
+        if the host is dead). The caller holds ``cond``."""
         for op in run.ops:
             self.table.add_uses(run.touches(op))
             if isinstance(op, Recv):
@@ -104,10 +113,12 @@ class Executor:
         self.touch()
 
     def touch(self) -> None:
+        """Something changed (a run, a buffer, a landing): wake the loop. The caller holds ``cond``."""
         self.version += 1
         self.cond.notify_all()
 
     def stop(self) -> None:
+        """Stop the loop and the handlers' sender threads."""
         with self.cond:
             self._stopped = True
             self.touch()
@@ -313,6 +324,8 @@ class Executor:
         return out
 
     def stats(self) -> dict:
+        """The host's execution counters: queue depth, parked runs, fragments completed, ops run, busy seconds, bytes.
+        """
         return {"queue_depth": len(self.runs) + len(self.parked), "parked": len(self.parked),
                 "completed": self.completed, "ops": self.ops_run, "busy_s": self.busy_s,
                 "bytes_out": self.handlers.bytes_out, **self.receiver.stats(),

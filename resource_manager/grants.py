@@ -20,6 +20,8 @@ REFUSED = "the message is not signed by a session this island knows (closed, rec
 
 @dataclass(frozen=True)
 class Session:
+    """A client session as the resource manager announced it: client id, tenant, and session key."""
+
     client: int
     tenant: str
     key: bytes
@@ -34,14 +36,17 @@ class Grants:
         self._slices: dict[str, tuple[str, SliceDesc]] = {}
 
     def add_session(self, client: int, tenant: str, key: bytes) -> None:
+        """Accept messages signed with ``key`` as client ``client`` of ``tenant``."""
         with self._lock:
             self._sessions[client] = Session(client, tenant, key)
 
     def remove_session(self, client: int) -> Session | None:
+        """Forget a client's session; returns it (None if it was unknown)."""
         with self._lock:
             return self._sessions.pop(client, None)
 
     def session(self, client: int) -> Session | None:
+        """The session of client ``client``, or None."""
         return self._sessions.get(client)
 
     def verify(self, client: int, mac: bytes, purpose: str, *parts: bytes | str | int) -> Session:
@@ -52,14 +57,17 @@ class Grants:
         return session
 
     def clients_of(self, tenant: str) -> list[int]:
+        """The clients with an open session of ``tenant``."""
         with self._lock:
             return [c for c, s in self._sessions.items() if s.tenant == tenant]
 
     def grant(self, key: str, tenant: str, desc: SliceDesc) -> None:
+        """``tenant`` holds slice ``key`` on the devices ``desc`` names."""
         with self._lock:
             self._slices[key] = (tenant, desc)
 
     def revoke(self, keys: list[str]) -> None:
+        """The slices ``keys`` are released: programs and puts on them are refused from now on."""
         with self._lock:
             for key in keys:
                 self._slices.pop(key, None)
@@ -70,5 +78,6 @@ class Grants:
         return held is not None and held[0] == tenant and held[1].devices == desc.devices
 
     def tenants(self) -> set[str]:
+        """The tenants with at least one open session."""
         with self._lock:
             return {s.tenant for s in self._sessions.values()}

@@ -73,6 +73,7 @@ class Handlers:
         raise ProgramError(f"unknown op {op!r}")
 
     def stop(self) -> None:
+        """Stop the background senders; sends not yet started are dropped."""
         self._sender.shutdown(wait=False, cancel_futures=True)
 
     # -- host-local facts about a template's ops -----------------------------------------------------------

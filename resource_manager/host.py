@@ -58,7 +58,14 @@ def row_parts(rows: list) -> list:
 
 
 class Host:
-    """One host of island ``island``; ``start`` (by the resource manager) brings up JAX and the data plane."""
+    """One host of island ``island`` (``index`` of ``n_hosts``): a Ray actor whose methods are its API.
+
+    ``start`` (called by the resource manager) brings up JAX and the data plane beneath the actor: the
+    buffer table, the executable cache, the inbox that admits host 0's ordered stream, the executor and
+    its op handlers, the receive side, and the same-node channel and network path to peer hosts. Host 0
+    also runs the island's admission and scheduler. Every public method verifies its caller (a client's
+    session key, or the runtime key) and its input before it forwards; a bad call fails alone.
+    """
 
     def __init__(self, island: int, index: int, n_hosts: int, op_timeout: float) -> None:
         self.island, self.index, self.n_hosts = island, index, n_hosts
@@ -393,6 +400,7 @@ class Host:
         return {**out, **self.exes.tenant_stats(session.tenant), "island": self.island, "host": self.index}
 
     def trace_start(self, client: int, mac: bytes) -> int:
+        """Start recording this host's events for the caller's ``pw.trace``; returns the tracer's token."""
         self.grants.verify(client, mac, "trace_start")
         token = self.events.start()
         self._tracers[client] = token
@@ -412,6 +420,7 @@ class Host:
         return time.time()
 
     def health(self) -> dict:
+        """``{"ok", "reason"}`` for the resource manager's health check: not ok once the executor has died."""
         dead = self.executor.dead if self._key is not None else None
         return {"ok": dead is None, "reason": dead or ""}
 

@@ -129,7 +129,9 @@ class Inbox:
 
     @property
     def next_seq(self) -> int:
+        """The sequence number admitted next."""
         return self._next_seq
 
     def held(self) -> int:
+        """How many items wait for an earlier sequence number."""
         return len(self._pending)

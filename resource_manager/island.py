@@ -33,19 +33,22 @@ class Island:
 
     @property
     def scheduler(self) -> Any:
+        """The actor that holds the island's scheduler: host 0."""
         return self.hosts[0]
 
 
 # Large allocations on transparent huge pages (glibc >= 2.35; ignored by others): XLA's CPU buffers then
-# fault in 2 MiB at a time, and a same-node receiver copying a lent shard pins 512x fewer pages (64 MiB in
-# 3.6 ms instead of 10 ms here). Only the main arena grows on huge pages: other arenas, and chunks that
-# glibc maps one by one, mostly do not once freed memory is reused, so hosts use one arena (computations
-# writing to huge pages run faster as well: 64 MiB times 2 in 3.8 ms instead of 6.3 ms). The arena limit
-# goes as MALLOC_ARENA_MAX because glibc drops it from GLIBC_TUNABLES before Ray's worker starts.
+# fault in 2 MiB at a time, and a same-node receiver copying a lent shard pins 512x fewer pages, so the copy
+# is faster. Only the main arena grows on huge pages: other arenas, and chunks that glibc maps one by one,
+# mostly do not once freed memory is reused, so hosts use one arena (computations writing to huge pages run
+# faster as well). The arena limit goes as MALLOC_ARENA_MAX because glibc drops it from GLIBC_TUNABLES
+# before Ray's worker starts.
 HUGE_PAGES = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1", "MALLOC_ARENA_MAX": "1"}
 
 
 def host_runtime_env(topology: Topology) -> dict:
+    """The ``runtime_env`` of an island's host actors: on CPU, the simulated device count (set before JAX loads)
+    and the huge-page malloc settings; on GPU, the CUDA platform."""
     if topology.platform == "gpu":
         return {"env_vars": {"JAX_PLATFORMS": "cuda"}}
     flags = f"--xla_force_host_platform_device_count={topology.devices_per_host}"

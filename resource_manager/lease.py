@@ -9,5 +9,8 @@ from __future__ import annotations
 
 
 class Lease:
+    """Owned by the client process, so Ray kills it when that process exits; the resource manager pings it."""
+
     def ping(self) -> bool:
+        """Answers while the client process lives."""
         return True

@@ -48,6 +48,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Client:
+    """An open client session: its tenant, session key, process id, lease actor, and the job it runs in."""
+
     tenant: str
     key: bytes
     pid: int
@@ -58,6 +60,8 @@ class Client:
 
 @dataclass
 class Ticket:
+    """A job's single-use ticket, stored under its digest: the tenant it opens a session for, until ``expires``."""
+
     tenant: str
     job: str
     expires: float
@@ -84,7 +88,15 @@ def reply(fn):
 
 
 class ResourceManager:
-    """The runtime's authority: islands and their health, the tenant registry, sessions, slices, quotas."""
+    """The runtime's authority: islands and their health, the tenant registry, sessions, slices, quotas.
+
+    One detached, named actor per Ray cluster (``client.runtime.start_runtime`` creates it). It starts the
+    islands, orders their hosts (sessions, grants, weights, the table of peers) with messages signed by
+    the runtime key, and watches two things on threads of its own: clients' leases (a client whose
+    process is gone is reclaimed) and hosts' health (a failed island is restarted with new hosts). Its
+    public methods answer msgpack replies (see ``reply``); a client's are signed with its session key,
+    the admin's carry the admin credential.
+    """
 
     def __init__(self, topology: dict, op_timeout: float, start_timeout: float, admin_digest: str | None,
                  registry_path: str | None = None, implicit: dict | None = None,

@@ -17,6 +17,7 @@ LARGE = 64 << 20  # below this an allocation is not worth a look at /proc/meminf
 
 
 def physical_bytes() -> int:
+    """The machine's physical memory in bytes (1 TiB when the system does not say)."""
     try:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):

@@ -28,6 +28,10 @@ COUNTERS = {
 
 
 class HostMetrics:
+    """Samples a host's counters every ``period`` seconds on a thread of its own and exports them to Ray's
+    metrics; ``busy_fraction`` is the share of the last ``window`` sampling periods spent executing ops.
+    """
+
     def __init__(self, island: int, host: int, sample: Callable[[], dict], period: float = 1.0,
                  window: int = 5) -> None:
         from ray.util import metrics
@@ -51,6 +55,8 @@ class HostMetrics:
             self.update(self._sample())
 
     def update(self, stats: dict) -> None:
+        """Take one sample: update ``busy_fraction``, set the gauges, and add the counters' growth since the last one.
+        """
         now = time.monotonic()
         self._history.append((now, stats["busy_s"]))
         (t0, b0), (t1, b1) = self._history[0], self._history[-1]

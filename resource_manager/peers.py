@@ -29,7 +29,7 @@ from resource_manager.channel import Channel
 from resource_manager.direct import PROBE, Lent, _readv
 from resource_manager.network.path import NetworkPath
 
-MIN_BYTES = 100 * 1024  # below this Ray sends the bytes inline with the message, which is cheaper
+MIN_BYTES = 100 * 1024  # below this a same-node peer gets the shards inside the frame: cheaper than a lease
 log = logging.getLogger(__name__)
 
 
@@ -84,6 +84,7 @@ class Peers:
             return {key: {"node": i.node, "data": i.data} for key, i in self._hosts.items()}
 
     def handle(self, island: int, host: int) -> Any:
+        """The actor handle of host ``(island, host)``; KeyError if the resource manager never named it."""
         info = self._hosts.get((island, host))
         if info is None:
             raise KeyError(f"no host {host} on island {island} is known to island {self.island}")
@@ -171,6 +172,7 @@ class Peers:
         return Deliver(msg.key, msg.src, msg.host, msg.shards, None, lending, None)
 
     def release(self, leases: Sequence[int]) -> None:
+        """Let go of the arrays lent under ``leases`` (their receiver has copied them, or never will)."""
         with self._lock:
             for lease in leases:
                 self._lent.pop(int(lease), None)
@@ -185,5 +187,6 @@ class Peers:
 
     @property
     def lent_bytes(self) -> int:
+        """Bytes this host keeps alive for same-node readers now."""
         with self._lock:
             return sum(a.nbytes for arrays, _ in self._lent.values() for a in arrays)

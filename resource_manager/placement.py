@@ -19,6 +19,8 @@ from pathways.topology import Topology
 
 @dataclass
 class Allocation:
+    """A slice the resource manager placed: its key, owner (tenant and client), island, mesh and devices."""
+
     key: str
     tenant: str
     client: int
@@ -28,9 +30,11 @@ class Allocation:
     devices: list[tuple[int, int]]  # (host, local device), mesh row-major
 
     def desc(self) -> SliceDesc:
+        """The slice as islands see it."""
         return SliceDesc(self.key, self.shape, self.axes, tuple(tuple(d) for d in self.devices))
 
     def to_wire(self) -> dict:
+        """The allocation's msgpack form, as ``pw.slice`` receives it."""
         return {"key": self.key, "shape": list(self.shape), "axes": list(self.axes),
                 "devices": [list(d) for d in self.devices], "island": self.island, "tenant": self.tenant,
                 "client": self.client}
@@ -38,14 +42,18 @@ class Allocation:
 
 @dataclass
 class Inventory:
+    """What placement works from: the topology, the islands out of service (and why), and every allocation."""
+
     topology: Topology
     unhealthy: dict[int, str] = field(default_factory=dict)
     allocations: dict[str, Allocation] = field(default_factory=dict)
 
     def load(self) -> Counter:
+        """How many slices use each (island, host, device)."""
         return Counter((a.island, h, d) for a in self.allocations.values() for h, d in a.devices)
 
     def describe(self) -> str:
+        """The cluster's size and healthy islands, for error messages."""
         t = self.topology
         healthy = [i for i in range(t.islands) if i not in self.unhealthy]
         return (f"the cluster has {t.islands} island(s) (healthy: {healthy}), each of {t.hosts_per_island} "
@@ -53,6 +61,8 @@ class Inventory:
 
 
 def validate_request(shape: tuple[int, ...], axes: tuple[str, ...]) -> None:
+    """ResourceError unless ``shape`` is a non-empty tuple of positive ints with one distinct, non-empty axis name
+    per dimension."""
     if len(shape) != len(axes):
         raise ResourceError(f"slice shape {shape} has {len(shape)} dimension(s) but axis names {axes} has "
                             f"{len(axes)}; give one name per dimension")

@@ -52,6 +52,7 @@ class Mailbox:
     since: float = field(default_factory=time.monotonic)
 
     def count(self, allowed: frozenset[Sender]) -> int:
+        """Pieces from the ``allowed`` senders."""
         return sum(1 for sender, _ in self.pieces if sender in allowed)
 
 
@@ -226,6 +227,8 @@ class Receiver:
         return max(0.001, oldest + self.op_timeout - now)
 
     def island_failed(self, island: int) -> None:
+        """``island`` failed: receives from it stop waiting (parked ones are reported landed, to fail when they run).
+        The caller holds the condition."""
         self.failed_islands.add(island)
         for key, watch in list(self._watches.items()):
             if watch.src == island:
@@ -237,5 +240,7 @@ class Receiver:
         self.failed_islands.discard(island)
 
     def stats(self) -> dict[str, int]:
+        """The receive side's counters: open mailboxes, bytes received (and of those copied from lent memory),
+        pieces refused."""
         return {"mailbox": len(self.mailbox), "bytes_in": self.bytes_in, "bytes_in_direct": self.bytes_in_direct,
                 "refused_pieces": self.refused}

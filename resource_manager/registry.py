@@ -28,16 +28,20 @@ WRONG = "unknown tenant or wrong credential; ask the cluster's admin for a crede
 
 @dataclass
 class TenantRecord:
+    """One tenant: name, weight, device quota, and its credential's SHA-256 digest."""
+
     name: str
     weight: float
     quota: int | None  # devices the tenant's slices may take at once (None: no limit)
     credential: str  # SHA-256 digest
 
     def public(self) -> dict:
+        """The record without its credential digest."""
         return {"name": self.name, "weight": self.weight, "quota": self.quota}
 
 
 def check_name(name: object) -> str:
+    """``name`` if it is a valid tenant name; ResourceError otherwise."""
     if not isinstance(name, str) or not TENANT_PATTERN.match(name):
         raise ResourceError(f"tenant name {name!r}: use 1-63 letters, digits, '.', '_' or '-', starting with a "
                             "letter or digit")
@@ -45,6 +49,7 @@ def check_name(name: object) -> str:
 
 
 def check_weight(weight: object) -> float:
+    """``weight`` as a float if it is finite and in (0, MAX_WEIGHT]; ResourceError otherwise."""
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) \
             or not 0 < weight <= MAX_WEIGHT:
         raise ResourceError(f"a weight must be a finite number in (0, {MAX_WEIGHT:g}], got {weight!r}")
@@ -52,6 +57,7 @@ def check_weight(weight: object) -> float:
 
 
 def check_quota(quota: object) -> int | None:
+    """``quota`` if it is None (no limit) or a whole number of devices >= 0; ResourceError otherwise."""
     if quota is None:
         return None
     if isinstance(quota, bool) or not isinstance(quota, int) or quota < 0:
@@ -92,6 +98,7 @@ class Registry:
 
     # -- the admin's operations ---------------------------------------------------------------------------
     def is_admin(self, credential: object) -> bool:
+        """Whether ``credential`` is the admin credential; compares digests in constant time."""
         return isinstance(credential, str) and self.admin_digest is not None and auth.matches(credential,
                                                                                              self.admin_digest)
 
@@ -125,6 +132,7 @@ class Registry:
             return secret
 
     def remove(self, name: str) -> None:
+        """Remove tenant ``name``; ResourceError if there is none."""
         with self._lock:
             self._get(name)
             del self.tenants[name]
@@ -145,8 +153,10 @@ class Registry:
         return record
 
     def get(self, name: str) -> TenantRecord | None:
+        """The record of tenant ``name``, or None."""
         return self.tenants.get(name)
 
     def listing(self) -> list[dict]:
+        """Every tenant's public record, by name."""
         with self._lock:
             return [t.public() for t in sorted(self.tenants.values(), key=lambda t: t.name)]

@@ -22,6 +22,7 @@ class Place(Op):
     frees: tuple[int, ...] = ()
 
     def writes(self) -> tuple[int, ...]:
+        """The put lands its value in slot 0."""
         return (0,)
 
 
@@ -34,9 +35,11 @@ class PutValue:
         self.future.add_done_callback(lambda _: on_done())
 
     def ready(self) -> bool:
+        """Whether the value has arrived from the object store (or failed to)."""
         return self.future.done()
 
     def result(self) -> Any:
+        """The value; raises what fetching it raised. Call only once ``ready``."""
         return self.future.result(timeout=0)
 
 
@@ -62,9 +65,11 @@ class Run:
     resumed_at: int = -1  # the recv op this run was resumed at (multi-host islands): its data will not wait
 
     def rid(self, slot: int) -> int:
+        """The buffer id slot ``slot`` stands for in this run."""
         return self.inputs[slot] if slot < self.n_inputs else self.base + slot
 
     def ids(self, slots: tuple[int, ...]) -> list[int]:
+        """The buffer ids ``slots`` stand for in this run."""
         n, base, inputs = self.n_inputs, self.base, self.inputs
         return [inputs[s] if s < n else base + s for s in slots]
 

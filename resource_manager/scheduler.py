@@ -159,6 +159,8 @@ class Scheduler:
         return entry
 
     def stats(self) -> dict:
+        """The scheduler's counters: sequence numbers issued, window, queued/in-flight/blocked fragments, and each
+        tenant's island time (since start and over the last ``RECENT_S`` seconds), fragments and weight."""
         with self._lock:
             horizon = time.monotonic() - RECENT_S
             while self._recent and self._recent[0][0] < horizon:

@@ -7,7 +7,7 @@ Every device's region is gathered into a buffer of the host's own, even when
 one piece matches it exactly: a piece adopted as is would keep its
 object-store memory pinned for as long as the array lives, on 4 KiB shared
 pages that computations read slowly and a later same-node copy pins page by
-page (3x slower than the huge pages of the host's own heap). A ``Landed``
+page (slower than the huge pages of the host's own heap). A ``Landed``
 piece already is such a buffer, so one that is exactly a device's region is
 adopted without a copy.
 """
@@ -35,6 +35,7 @@ class Landed(np.ndarray):
 
 
 def index_of(slices: tuple[slice, ...], shape: Sequence[int]) -> Index:
+    """A shard's region as (start, stop) per dimension, from the slices JAX gives its index."""
     out = []
     for dim, extent in enumerate(shape):
         s = slices[dim] if dim < len(slices) else slice(None)

@@ -80,8 +80,8 @@ class PalmConfig:
 
 
 # Parameter counts (PalmConfig.n_params, byte vocabulary) and PaLM training FLOPs per token:
-#   tiny   135,360        8.6e5  -- unit tests: a grad step compiles in ~2 s on CPU, then runs in ~5 ms
-#   small  2,188,224      1.4e7  -- CPU demo: a grad+update step on batch 8 takes ~0.15 s on 2 cores
+#   tiny   135,360        8.6e5  -- unit tests: quick to compile and run on CPU
+#   small  2,188,224      1.4e7  -- the CPU demo (python -m examples.palm.train --config small)
 #   350m   355,755,008    2.4e9  -- one GPU
 #   1b     1,066,964,992  7.3e9  -- one or more GPUs
 CONFIGS: dict[str, PalmConfig] = {

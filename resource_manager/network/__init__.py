@@ -1,13 +1,13 @@
 """The cross-node data path: island hosts on different Ray nodes push array shards to each other over TCP.
 
-Between Ray nodes, shards used to travel as Ray actor calls through the object stores: the sender's store,
-Ray's object manager, the receiver's store, then a copy into the host's memory, at about 0.3-0.7 GB/s here
-where one plain TCP connection moves 2-3 GB/s (``benchmarks/network_transports.py``, ``docs/network.md``).
-This package is that plain TCP connection, made safe to leave open between hosts:
+Without it, shards between Ray nodes travel as Ray actor calls through the object stores: the sender's store,
+Ray's object manager, the receiver's store, then a copy into the host's memory, several times slower than
+one plain TCP connection between the same hosts (``benchmarks/network_transports.py`` measures both;
+``docs/network.md``). This package is that plain TCP connection, made safe to leave open between hosts:
 
 * ``frames``: the byte layout (handshake, data frames) and the pure arithmetic of cutting shards into chunks;
 * ``server``: each host's data server, which authenticates peers and lands chunks in its buffer pool;
 * ``receives``: which receives the lowered plan names for which sender, checked before data is accepted;
 * ``links``: the sending side, a pool of connections per peer over which chunks stream in parallel;
-* ``path``: the host's network path, tying the three together behind what ``direct.Peers`` calls.
+* ``path``: the host's network path, tying the three together behind what ``resource_manager.peers`` calls.
 """

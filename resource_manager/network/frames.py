@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import math
-import os
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -48,16 +47,13 @@ class ProtocolError(Exception):
     """A peer broke the protocol (bad handshake, malformed or absurd frame): its connection is closed."""
 
 
-def new_secret() -> bytes:
-    """A fresh shared secret for one runtime's hosts."""
-    return os.urandom(32)
-
-
 def pack_identity(identity: Identity) -> bytes:
+    """A host's (island, host) as the handshake's fixed 8 bytes."""
     return IDENTITY.pack(*identity)
 
 
 def unpack_identity(data: bytes) -> Identity:
+    """The (island, host) in a handshake's 8 identity bytes."""
     island, host = IDENTITY.unpack(data)
     return island, host
 
@@ -75,6 +71,7 @@ def server_mac(secret: bytes, server_nonce: bytes, client_nonce: bytes, client: 
 
 
 def macs_equal(a: bytes, b: bytes) -> bool:
+    """Whether two MACs are equal; compares in constant time."""
     return hmac.compare_digest(a, b)
 
 
@@ -94,16 +91,19 @@ class Header:
 
     @property
     def shape(self) -> tuple[int, ...]:
+        """The shard's shape."""
         return tuple(b - a for a, b in self.shard)
 
 
 def encode_header(key: int, shard: Index, dtype: str, total: int, offset: int, length: int) -> bytes:
+    """A data frame's prefix and header: ``length`` bytes at ``offset`` of shard ``shard`` of receive ``key``."""
     body = msgpack.packb({"key": key, "shard": [list(r) for r in shard], "dtype": dtype, "total": total,
                           "offset": offset, "length": length})
     return FRAME.pack(MAGIC, len(body)) + body
 
 
 def encode_probe(nbytes: int) -> bytes:
+    """A probe frame's prefix and header: ``nbytes`` raw bytes follow, to be landed and acknowledged."""
     body = msgpack.packb({"probe": nbytes})
     return FRAME.pack(MAGIC, len(body)) + body
 

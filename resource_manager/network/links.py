@@ -1,8 +1,8 @@
 """The sending side of the data path: a pool of authenticated connections per peer host, and chunked sends.
 
 A send cuts its pieces into chunks and streams them over up to ``streams`` connections to the peer at once
-(between two Ray nodes of one machine, 256 MiB moved at a median 1.10, 1.67 and 1.77 GB/s over 1, 2 and 4
-connections; between machines several flows fill a link one flow cannot). Chunks go straight from the
+(several flows fill a link one flow cannot; ``benchmarks/transfer_nodes.py --streams-sweep`` measures how
+much each adds). Chunks go straight from the
 pieces' memory (for a CPU ``jax.Array`` shard, ``np.asarray`` is the device buffer itself) to the socket:
 no copy, no serialization. Connections are opened on demand, authenticated (``frames``: the peer must prove
 it holds the runtime's secret too), and kept for the next send; many sends may be in flight to one peer,
@@ -39,6 +39,7 @@ class NetworkError(OSError):
 
 
 def parse_address(address: str) -> tuple[str, int]:
+    """(host, port) from 'host:port' or '[ipv6]:port'."""
     host, _, port = address.rpartition(":")
     return host.strip("[]"), int(port)
 
@@ -113,6 +114,8 @@ class Link:
         self.opened = 0
 
     def acquire(self) -> socket.socket:
+        """A connection to the peer: an idle one that is still open, else a new one while fewer than ``streams``
+        exist; waits at most ``timeout`` for one to come free (then NetworkError)."""
         with self._cond:
             while not self._idle and self._open >= self.streams:
                 if not self._cond.wait(timeout=self.timeout):
@@ -136,6 +139,7 @@ class Link:
         return conn
 
     def release(self, conn: socket.socket, healthy: bool) -> None:
+        """Give a connection back: kept for the next send if ``healthy``, else closed."""
         with self._cond:
             if healthy:
                 self._idle.append(conn)
@@ -146,6 +150,7 @@ class Link:
             conn.close()
 
     def close(self) -> None:
+        """Close the idle connections (those in use close when released unhealthy, or stay with their send)."""
         with self._cond:
             idle, self._idle = self._idle, []
             self._open -= len(idle)
@@ -175,6 +180,7 @@ class Links:
         self.failed = 0
 
     def link(self, peer: Identity, address: str) -> Link:
+        """The link to ``peer`` at ``address`` (a new one when the peer's address changed)."""
         with self._lock:
             link = self._links.get(peer)
             if link is None or link.address != address:
@@ -254,17 +260,20 @@ class Links:
             conn.close()
 
     def drop_peer(self, peer: Identity) -> None:
+        """Close and forget the connections to ``peer`` (its island failed)."""
         with self._lock:
             link = self._links.pop(peer, None)
         if link is not None:
             link.close()
 
     def stats(self) -> dict:
+        """The sending side's counters: bytes sent, sends, failed sends, connections opened."""
         with self._lock:
             return {"net_bytes_out": self.bytes_out, "net_sends": self.sends, "net_sends_failed": self.failed,
                     "net_streams_opened": sum(link.opened for link in self._links.values())}
 
     def close(self) -> None:
+        """Close every connection and stop the sender threads."""
         with self._lock:
             links, self._links = list(self._links.values()), {}
         for link in links:

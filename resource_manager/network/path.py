@@ -5,7 +5,7 @@ when the peer is a host on another Ray node whose data server the resource manag
 has ``data``: ``ip:port``, in the table of hosts the resource manager hands every host); addresses come only
 from the resource manager, never from a client's message.
 Otherwise, or when the send fails, ``push`` says no with a log line saying why, and the delivery goes through
-Ray's object store as before. A peer that could not be reached is left to the object store for
+Ray's object store, as it would without the path. A peer that could not be reached is left to the object store for
 ``RETRY_S`` before the next try, so an unreachable data port costs one connect timeout, not one per send.
 
 Configuration is the deployment's, read from each host's environment when it starts (``NetworkConfig``);
@@ -67,6 +67,7 @@ class NetworkConfig:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> NetworkConfig:
+        """The settings from ``PATHWAYS_NETWORK*`` variables in ``env``; ValueError on a malformed number or range."""
         enabled = env.get("PATHWAYS_NETWORK", "on").strip().lower() not in ("off", "0", "false", "no")
         return cls(enabled=enabled, streams=max(1, int(env.get("PATHWAYS_NETWORK_STREAMS", 4))),
                    ports=_ports(env.get("PATHWAYS_NETWORK_PORTS", "").strip()),
@@ -183,6 +184,7 @@ class NetworkPath:
             self.links.drop_peer(peer)
 
     def stats(self) -> dict:
+        """The path's counters: its address, fallbacks to the object store, and the server's, links' and receives'."""
         out = {"net_address": self.address, "net_fallbacks": self.fallbacks}
         out.update(self.server.stats())
         out.update(self.links.stats())
@@ -190,6 +192,7 @@ class NetworkPath:
         return out
 
     def close(self) -> None:
+        """Stop the data server and close every link."""
         self.server.close()
         self.links.close()
 

@@ -151,6 +151,7 @@ class Receives:
             return True
 
     def unreserve(self, nbytes: int) -> None:
+        """Return ``nbytes`` of the unclaimed budget (a reserved piece that will not be landed)."""
         with self._lock:
             self.unclaimed_bytes -= nbytes
 
@@ -179,6 +180,7 @@ class Receives:
         self._deliver(key, sender, shard, array)
 
     def refuse(self, sender: Identity, key: int, shard: Index, why: str, nbytes: int) -> None:
+        """Count and log a refused piece of ``nbytes`` from ``sender`` for receive ``key``, saying ``why``."""
         with self._lock:
             self.refused += 1
             self.dropped_bytes += nbytes
@@ -211,6 +213,7 @@ class Receives:
             self._drop_staged(lambda k, s: s.since < old)
 
     def stats(self) -> dict:
+        """The registry's counters: receives expected, pieces staged, unclaimed bytes, pieces refused, bytes dropped."""
         with self._lock:
             return {"net_expected": len(self._expected), "net_staged": sum(len(v) for v in self._staged.values()),
                     "net_unclaimed_bytes": self.unclaimed_bytes, "net_refused": self.refused,

@@ -47,6 +47,7 @@ def recv_exactly(conn: socket.socket, view: memoryview) -> None:
 
 
 def recv_bytes(conn: socket.socket, n: int) -> bytes:
+    """Exactly ``n`` bytes from ``conn``; ConnectionError if the peer closes first."""
     buf = bytearray(n)
     recv_exactly(conn, memoryview(buf))
     return bytes(buf)
@@ -260,6 +261,8 @@ class DataServer:
         return nbytes
 
     def stats(self) -> dict:
+        """The server's counters: connections, refusals, protocol errors, broken connections, bytes and pieces landed,
+        and bytes of partial or released pieces."""
         with self._lock:
             return {"net_connections": self.connections, "net_open_connections": len(self._conns),
                     "net_auth_refused": self.auth_refused, "net_protocol_errors": self.protocol_errors,
@@ -268,6 +271,7 @@ class DataServer:
                     "net_released_bytes": self.released_bytes}
 
     def close(self) -> None:
+        """Stop accepting and shut every open connection down."""
         with self._lock:
             self._closed = True
             conns = list(self._conns)

@@ -21,6 +21,7 @@ from pathways.errors import ResourceError
 from resource_manager.nodes import Node, host_bundle, matches, plan
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
 
 
 class Scenarios:
@@ -28,6 +29,7 @@ class Scenarios:
 
     def __init__(self) -> None:
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # RAY_TMPDIR stays: its cluster goes there
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)  # it imports examples
         self.proc = subprocess.Popen([sys.executable, os.path.join(HERE, "multinode_scenarios.py")], env=env,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self._results: dict | None = None

@@ -246,15 +246,14 @@ def _start_runtime(address: str, topology: Any, token: str, registry: str, quota
     one runs already; check that it takes this admin credential. Returns whether one ran already."""
     import ray
 
-    from client.runtime import find_runtime, start_runtime
-    from client.session import Timeouts
+    from client.runtime import Timeouts, find_runtime, start_runtime
     from pathways.auth import digest
     from pathways.errors import PathwaysError
 
     _connect(address)
     existed = find_runtime() is not None
     try:
-        rm = start_runtime(topology, Timeouts().op, timeout, digest(token), registry_path=registry,
+        rm = start_runtime(topology, Timeouts(start=timeout), digest(token), registry_path=registry,
                            default_quota=quota)
     except PathwaysError as exc:
         raise CliError(str(exc)) from None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import socket
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -25,6 +26,26 @@ from pathways.topology import Topology
 
 CONNECT_TIMEOUT_S = 3.0
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Bounds on every wait, in seconds (``pw.Timeouts``).
+
+    Args:
+        fetch: how long a client waits for a result.
+        op: how long a host waits for an op's inputs (a transfer, a buffer) before failing the op.
+        start: how long starting the cluster and the runtime may take.
+        poll: how often a long wait checks that the islands it depends on are alive.
+        gap: how long an island waits for a client's message that never arrived (its sender died while
+            sending) before it skips it and runs the client's later messages; fixed when the runtime starts.
+    """
+
+    fetch: float = 120.0
+    op: float = 60.0
+    start: float = 300.0
+    poll: float = 1.0
+    gap: float = 30.0
 
 
 def reachable(address: str, timeout: float = CONNECT_TIMEOUT_S) -> bool:
@@ -71,7 +92,7 @@ def find_runtime() -> Any | None:
         return None
 
 
-def start_runtime(topology: Topology, op_timeout: float, start_timeout: float, admin_digest: str | None,
+def start_runtime(topology: Topology, timeouts: Timeouts, admin_digest: str | None,
                   registry_path: str | None = None, implicit: dict | None = None,
                   default_quota: int | None = None) -> Any:
     """The resource manager (a detached actor that starts and owns the islands), created unless one runs
@@ -81,8 +102,9 @@ def start_runtime(topology: Topology, op_timeout: float, start_timeout: float, a
     rm = ray.remote(ResourceManager).options(
         name=RESOURCE_MANAGER, namespace=NAMESPACE, lifetime="detached", get_if_exists=True, num_cpus=0,
         max_concurrency=4, resources={"node:__internal_head__": 0.001},  # the head outlives worker nodes
-    ).remote(topology.to_wire(), op_timeout, start_timeout, admin_digest, registry_path, implicit, default_quota)
-    running = Topology.from_wire(ready(rm, start_timeout)["topology"])
+    ).remote(topology.to_wire(), timeouts.op, timeouts.gap, timeouts.start, admin_digest, registry_path, implicit,
+             default_quota)
+    running = Topology.from_wire(ready(rm, timeouts.start)["topology"])
     if running != topology:
         raise ResourceError(f"the cluster already runs {running}; you asked for {topology}. "
                             "Call pw.init() without a topology to attach, or start a new cluster")

@@ -24,7 +24,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from client.jobs import CREDENTIAL_ENV, HOME_ENV, TENANT_ENV, TICKET_ENV, home  # noqa: F401 - HOME_ENV re-exported
 from client.outbox import Outboxes
-from client.runtime import connect, find_runtime, start_runtime
+from client.runtime import Timeouts, connect, find_runtime, start_runtime
 from pathways import auth, wire
 from pathways.errors import IslandFailedError, PathwaysError, TenantAccessError, from_wire
 from pathways.events import EventLog
@@ -41,16 +41,6 @@ log = logging.getLogger(__name__)
 def credential_file(tenant: str) -> Path:
     """Where ``pw.init`` looks for a tenant's credential: ``$PATHWAYS_HOME/credentials/TENANT``."""
     return home() / "credentials" / tenant
-
-
-@dataclass(frozen=True)
-class Timeouts:
-    """Bounds on every wait, in seconds."""
-
-    fetch: float = 120.0  # a client waiting for a result
-    op: float = 60.0  # a host waiting for an op's inputs (a transfer, a buffer)
-    start: float = 300.0  # the cluster starting up
-    poll: float = 1.0  # how often a long wait checks that the islands it depends on are alive
 
 
 @dataclass
@@ -430,13 +420,13 @@ def init(topology: Topology | None = None, address: str | None = None, *, tenant
                                     "--address ADDR`, or pw.init(address=..., topology=pw.Topology(...))")
             # This process starts the runtime: it is its admin, and its tenant is the implicit one.
             admin, credential, ticket = auth.new_secret(), credential or auth.new_secret(), None
-            rm = start_runtime(topology or Topology(), timeouts.op, timeouts.start, auth.digest(admin),
+            rm = start_runtime(topology or Topology(), timeouts, auth.digest(admin),
                                implicit={"tenant": tenant, "digest": auth.digest(credential)},
                                default_quota=default_quota)
             _started[rm._actor_id.hex()] = (admin, tenant, credential)
         else:
             if topology is not None:
-                start_runtime(topology, timeouts.op, timeouts.start, None)  # refuses a different running topology
+                start_runtime(topology, timeouts, None)  # refuses a different running topology
             mine = _started.get(rm._actor_id.hex())
             if mine is not None:  # a runtime this process started: it stays its admin and implicit tenant
                 admin = mine[0]

@@ -38,7 +38,7 @@ _LAZY = {
     "CompiledFunction": "client.jit",
     "jit": "client.jit",
     "trace": "client.profiler",
-    "Timeouts": "client.session",
+    "Timeouts": "client.runtime",
     "init": "client.session",
     "shutdown": "client.session",
     "VirtualSlice": "client.slices",

@@ -67,9 +67,10 @@ class Host:
     session key, or the runtime key) and its input before it forwards; a bad call fails alone.
     """
 
-    def __init__(self, island: int, index: int, n_hosts: int, op_timeout: float) -> None:
+    def __init__(self, island: int, index: int, n_hosts: int, op_timeout: float, gap_timeout: float) -> None:
         self.island, self.index, self.n_hosts = island, index, n_hosts
         self.op_timeout = op_timeout
+        self.gap_timeout = gap_timeout
         self._cond = threading.Condition()
         self._key: bytes | None = None
         self.grants = Grants()
@@ -132,7 +133,7 @@ class Host:
         self.inbox = Inbox(self.island, self.index, self.executor, self.table, self.exes,
                            TemplateCache(check=lambda t: t.check(self.limits)), self._cond)
         self.scheduler = Scheduler(self.island, self.n_hosts) if self.index == 0 else None
-        self.admission = Admission(self.limits, self.grants, self.exes, self.op_timeout) if self.index == 0 else None
+        self.admission = Admission(self.limits, self.grants, self.exes, self.gap_timeout) if self.index == 0 else None
         self.metrics = HostMetrics(self.island, self.index, self.stats)
         threading.Thread(target=self._maintain, name="host-maintenance", daemon=True).start()
         return {"island": self.island, "host": self.index, "pid": os.getpid(), "ip": ray.util.get_node_ip_address(),

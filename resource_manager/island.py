@@ -58,16 +58,17 @@ def host_runtime_env(topology: Topology) -> dict:
                          "MALLOC_ARENA_MAX": arenas}}
 
 
-def start_islands(topology: Topology, runtime_key: bytes, op_timeout: float, start_timeout: float) -> list[Island]:
+def start_islands(topology: Topology, runtime_key: bytes, op_timeout: float, gap_timeout: float,
+                  start_timeout: float) -> list[Island]:
     """Reserve every island's node and start all hosts in parallel (each island a jax.distributed group when
     it has several hosts); host 0 of each island holds its scheduler."""
     placements = reserve(topology, start_timeout)
-    started = [_create(topology, p, op_timeout) for p in placements]
+    started = [_create(topology, p, op_timeout, gap_timeout) for p in placements]
     infos = _start(topology, started, runtime_key, start_timeout)
     return [Island(p.island, hosts, info, p) for p, hosts, info in zip(placements, started, infos)]
 
 
-def restart_island(topology: Topology, island: Island, runtime_key: bytes, op_timeout: float,
+def restart_island(topology: Topology, island: Island, runtime_key: bytes, op_timeout: float, gap_timeout: float,
                    timeout: float) -> Island:
     """New hosts for a failed island, in its placement group: empty buffer tables, a new epoch."""
     for host in island.hosts:
@@ -75,7 +76,7 @@ def restart_island(topology: Topology, island: Island, runtime_key: bytes, op_ti
             ray.kill(host, no_restart=True)
         except Exception:  # already dead: that is why it restarts
             pass
-    hosts = _create(topology, island.placement, op_timeout)
+    hosts = _create(topology, island.placement, op_timeout, gap_timeout)
     try:
         (info,) = _start(topology, [hosts], runtime_key, timeout)
     except BaseException:
@@ -85,12 +86,13 @@ def restart_island(topology: Topology, island: Island, runtime_key: bytes, op_ti
     return Island(island.index, hosts, info, island.placement, island.epoch + 1)
 
 
-def _create(topology: Topology, p: IslandPlacement, op_timeout: float) -> list[Any]:
+def _create(topology: Topology, p: IslandPlacement, op_timeout: float, gap_timeout: float) -> list[Any]:
     n = topology.hosts_per_island
     gpus = topology.devices_per_host if topology.platform == "gpu" else 0
     actor = ray.remote(concurrency_groups={SCHEDULE: 1})(Host)
     options = {"num_cpus": 0, "num_gpus": gpus, "max_concurrency": 64, "runtime_env": host_runtime_env(topology)}
-    return [actor.options(scheduling_strategy=p.strategy_for(h), **options).remote(p.island, h, n, op_timeout)
+    return [actor.options(scheduling_strategy=p.strategy_for(h), **options).remote(p.island, h, n, op_timeout,
+                                                                                   gap_timeout)
             for h in range(n)]
 
 

@@ -98,18 +98,20 @@ class ResourceManager:
     the admin's carry the admin credential.
     """
 
-    def __init__(self, topology: dict, op_timeout: float, start_timeout: float, admin_digest: str | None,
+    def __init__(self, topology: dict, op_timeout: float, gap_timeout: float, start_timeout: float,
+                 admin_digest: str | None,
                  registry_path: str | None = None, implicit: dict | None = None,
                  default_quota: int | None = None) -> None:
         self.topology = Topology.from_wire(topology)
-        self.op_timeout = op_timeout
+        self.op_timeout, self.gap_timeout = op_timeout, gap_timeout
         self.started = time.time()
         self._lock = threading.RLock()
         self._key = auth.new_key()  # the runtime key: known to this actor and its hosts only
         self.registry = Registry(registry_path, admin_digest, default_quota)
         if implicit is not None and self.registry.get(implicit["tenant"]) is None:
             self.registry.add(implicit["tenant"], 1.0, None, digest=implicit["digest"])
-        self.islands: list[Island] = start_islands(self.topology, self._key, op_timeout, start_timeout)
+        self.islands: list[Island] = start_islands(self.topology, self._key, op_timeout, gap_timeout,
+                                                     start_timeout)
         self.inventory = Inventory(self.topology)
         self.clients: dict[int, Client] = {}
         self.tickets: dict[str, Ticket] = {}
@@ -391,7 +393,8 @@ class ResourceManager:
     def _restart(self, island: Island, reason: str, lost: dict) -> None:
         while True:
             try:
-                new = restart_island(self.topology, island, self._key, self.op_timeout, RESTART_TIMEOUT)
+                new = restart_island(self.topology, island, self._key, self.op_timeout, self.gap_timeout,
+                                     RESTART_TIMEOUT)
                 break
             except Exception as exc:  # no node for it yet: stay unhealthy, try again
                 log.error("island %d could not restart: %s", island.index, exc)

@@ -18,7 +18,7 @@ import pathways as pw
 @pytest.fixture(scope="session")
 def cluster():
     session = pw.init(topology=pw.Topology(islands=2, hosts_per_island=1, devices_per_host=4),
-                      timeouts=pw.Timeouts(fetch=60.0, op=30.0))
+                      timeouts=pw.Timeouts(fetch=60.0, op=30.0, gap=5.0))
     yield session
     pw.shutdown()
 

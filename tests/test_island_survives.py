@@ -173,8 +173,8 @@ def test_a_stream_gap_that_never_fills_holds_back_only_its_own_client(cluster):
         assert time.monotonic() - start < 10
     stats = host_stats(cluster, 0)
     assert stats["stream_gaps_waiting"] >= 1
-    # after the gap timeout (the op timeout) the island gives up on the missing messages and runs the rest
-    out = its_output(session, s, base + 2).fetch(timeout=cluster.timeouts.op + 30)
+    # after the gap timeout the island gives up on the missing messages and runs the rest
+    out = its_output(session, s, base + 2).fetch(timeout=cluster.timeouts.gap + 30)
     np.testing.assert_allclose(out, np.arange(8, dtype=np.float32) ** 2 + 1.0)
     session.close()
 

@@ -10,18 +10,13 @@ applies Adam to its own layers, all in one dispatch (one message per island).
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
-if __package__ in (None, ""):  # run as a file: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import jax.numpy as jnp
+import numpy as np
+import optax
 
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-
-import pathways as pw  # noqa: E402
+import pathways as pw
 
 WIDTH, DEPTH_PER_STAGE, FEATURES, BATCH = 64, 2, 16, 256
 

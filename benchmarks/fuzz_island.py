@@ -199,11 +199,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--messages", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hosts-per-island", type=int, default=1,
+                        help="2: a multi-host island, whose hosts run strictly in the island's order")
     parser.add_argument("--json", default=str(default_out("fuzz_island")))
     args = parser.parse_args()
     from client.session import Session
 
-    victim = pw.init(topology=pw.Topology(2, 1, 4), timeouts=pw.Timeouts(fetch=30.0, op=10.0))
+    victim = pw.init(topology=pw.Topology(2, args.hosts_per_island, 4 // args.hosts_per_island),
+                     timeouts=pw.Timeouts(fetch=30.0, op=10.0))
     credential = pw.admin().add_tenant("fuzzer")
     fuzz = Session(victim.rm, "fuzzer", victim.timeouts, False, credential)
     start = time.perf_counter()
@@ -213,7 +216,7 @@ def main() -> None:
         print("  " + line)
     fuzz.close()
     pw.shutdown()
-    write_json(args.json, {**result, "seconds": took, "seed": args.seed})
+    write_json(args.json, {**result, "seconds": took, "seed": args.seed, "hosts_per_island": args.hosts_per_island})
     print(f"island fuzz: {result['messages']} messages, {result['wedged']} wedged, {result['crashed']} crashed, "
           f"{result['executor_deaths']} executor deaths, served {result['served']}/{result['messages']}")
 

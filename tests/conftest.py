@@ -1,4 +1,11 @@
-"""One embedded cluster (2 islands x 1 host x 4 CPU devices) shared by the whole test session."""
+"""The two tiers of the suite, and the embedded cluster the cluster tier shares.
+
+A test is in the **cluster tier** (marker ``cluster``) when it needs a live Ray cluster: it uses the
+``cluster`` fixture below (one embedded cluster, 2 islands x 1 host x 4 CPU devices, shared by the whole
+session), directly or through another fixture, or its module starts its own cluster or client processes and
+says so with ``pytestmark = pytest.mark.cluster``. Every other test is in the **unit tier**, which
+``python -m pytest -m "not cluster"`` runs without Ray; a unit test that starts Ray fails.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +16,53 @@ import time
 # before JAX loads (island hosts set their own through their runtime_env).
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 
+import psutil
 import pytest
 import ray
 
 import pathways as pw
+
+RAY_DAEMONS = ("raylet", "gcs_server")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark every test that needs the session's cluster (directly or through another fixture) as ``cluster``."""
+    for item in items:
+        if "cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.cluster)
+
+
+def ray_daemons() -> list[str]:
+    """The Ray daemons this process started (directly or through its children) that still run."""
+    out = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.name() in RAY_DAEMONS:
+                out.append(f"{child.name()} (pid {child.pid})")
+        except psutil.Error:  # gone meanwhile
+            pass
+    return out
+
+
+@pytest.fixture(autouse=True)
+def unit_tests_start_no_ray(request, monkeypatch):
+    """A unit test (not marked ``cluster``) may not start Ray: ``ray.init`` raises, and a Ray daemon left
+    running by the test, or Ray initialized in this process, fails it. When a cluster test already started
+    Ray in this session, there is nothing to compare against, and the test runs as it is."""
+    if request.node.get_closest_marker("cluster") is not None or ray.is_initialized() or ray_daemons():
+        yield
+        return
+    name = request.node.nodeid
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError(f"{name} is in the unit tier but starts Ray: mark it pytest.mark.cluster")
+
+    monkeypatch.setattr(ray, "init", refuse)
+    yield
+    started = ray_daemons()
+    assert not ray.is_initialized() and not started, (
+        f"{name} is in the unit tier but started Ray ({', '.join(started) or 'ray.init'}): mark it "
+        "pytest.mark.cluster")
 
 
 @pytest.fixture(scope="session")

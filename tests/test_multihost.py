@@ -11,6 +11,8 @@ import time
 
 import pytest
 
+pytestmark = pytest.mark.cluster  # starts its own cluster
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 

@@ -141,6 +141,21 @@ def test_island_time_used_is_charged_to_the_tenant_by_its_weight():
     assert stats["tenant_time_s"]["slow"] == pytest.approx(3e-3 * stats["fragments"]["slow"], rel=0.05)
 
 
+def test_a_fragment_that_ran_longer_than_its_estimate_is_charged_what_it_used():
+    """Charged at release by its estimate (1 ms at first), corrected by the time it reported: a 50 ms
+    fragment puts its tenant behind the other one by about 49 ms of the other's fragments."""
+    scheduler = Scheduler(0, 1, window=2, eager=2)
+    released = scheduler.queue([admitted(1, "a", k) for k in range(30)] + [admitted(2, "b", k) for k in range(30)])
+    assert tenants_of(released) == ["a", "b"]
+    released = scheduler.completed([[released[0][0], 0.05], [released[1][0], 1e-3]])
+    done = 0
+    while done < len(released) and len(released) < 29:
+        pending = released[done:]
+        done = len(released)
+        released += scheduler.completed([[seq, 1e-3] for seq, _ in pending])
+    assert tenants_of(released[:29]) == ["b"] * 29
+
+
 def test_a_blocked_fragment_leaves_the_window_and_is_still_charged_when_it_completes():
     scheduler = Scheduler(0, 1, window=2, eager=100)
     released = scheduler.queue([admitted(1, "a", k) for k in range(5)])

@@ -1,4 +1,4 @@
-"""Issue 8: execution traces, program graphs, and per-island metrics."""
+"""Observability: execution traces, program graphs, and per-island metrics."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Issue 5: PaLM's two-pod training through the runtime (tiny config, the session's 2-island cluster)."""
+"""PaLM's two-pod training through the runtime (tiny config, the session's 2-island cluster): both pods stay
+bitwise identical, the gradient exchange overlaps the backward pass, checkpoints resume bit-exactly."""
 
 from __future__ import annotations
 

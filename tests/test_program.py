@@ -1,4 +1,5 @@
-"""Issue 3: tracing, lowering, parallel dispatch, transfers, gang-scheduled execution."""
+"""Programs on a live cluster: tracing, lowering, parallel dispatch, transfers between islands, and
+gang-scheduled execution."""
 
 from __future__ import annotations
 

@@ -16,6 +16,7 @@ import time
 # before JAX loads (island hosts set their own through their runtime_env).
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 
+import numpy as np
 import psutil
 import pytest
 import ray
@@ -71,6 +72,32 @@ def cluster():
                       timeouts=pw.Timeouts(fetch=60.0, op=30.0))
     yield session
     pw.shutdown()
+
+
+def lower_graph(graph):
+    """Lower a traced program as the client does, to read its fragments' ops (the executables' bytes, which
+    only travel with the fragments, are left empty)."""
+    from client.lowering import lower
+    from pathways.graph import Compute
+
+    return lower(graph, {n.exe: b"" for n in graph.nodes if isinstance(n, Compute)})
+
+
+def on_island(array) -> np.ndarray:
+    """What ``array``'s island holds for it now: an identity computation reads the resident buffer, where a
+    fetch of ``array`` itself may answer from the copy its handle already fetched."""
+    return pw.jit(lambda v: v, slice=array.slice, in_specs=array.spec)(array).fetch(timeout=30)
+
+
+def assert_spmd_checks(checks: dict) -> None:
+    """What multihost_client.spmd computed on a 2-host island, against numpy: exact where data only moved,
+    within float32 rounding where it was computed; slices placed and transfers routed host i to host i."""
+    assert checks["small_hosts"] in ([0], [1]) and checks["wide_hosts"] == [0, 1], checks
+    for name in ("roundtrip", "matching_transfer"):
+        np.testing.assert_array_equal(checks[name]["got"], checks[name]["want"], err_msg=name)
+    for name in ("spmd", "reshard_transfer", "single_host_slice"):
+        np.testing.assert_allclose(checks[name]["got"], checks[name]["want"], rtol=1e-5, atol=1e-8, err_msg=name)
+    assert checks["routes"] == [[0, 0], [1, 1]]  # PaLM's host i -> host i
 
 
 def host_stats(session, island: int, host: int = 0) -> dict:

@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import assert_spmd_checks
 from multinode_scenarios import palm_fingerprint, readme_example
 
 import pathways as pw
@@ -100,7 +101,8 @@ def test_readme_example_on_two_nodes(scenarios, cluster):
 
 def test_transfers_across_nodes_go_over_the_network_path_not_the_object_store(scenarios):
     r = scenarios["network"]
-    assert r["matching"] and r["reshard"] and r["still_works"], r
+    for name in ("matching", "reshard", "still_works"):  # bitwise what numpy computes
+        assert r[name].get("unequal") == 0 and r[name]["elements"] == 1024 * 512, (name, r[name])
     assert all(r["addresses"]), r  # every host advertises its data server
     assert r["net_bytes_in"] == r["bytes_in"] == r["net_bytes_out"] == r["moved"], r  # all of it, over the path
     assert r["fallbacks"] == 0, r
@@ -121,9 +123,9 @@ def test_a_connection_without_the_runtime_secret_is_refused(scenarios):
 
 def test_multihost_islands_pinned_to_their_nodes(scenarios):
     r, nodes = scenarios["multihost"], scenarios["cluster"]
-    assert r["checks"] == {"small_hosts": r["checks"]["small_hosts"], "wide_hosts": [0, 1], "roundtrip": True,
-                           "spmd": True, "matching_transfer": True, "routes": [[0, 0], [1, 1]],
-                           "reshard_transfer": True, "single_host_slice": True}
+    assert set(r["checks"]) == {"small_hosts", "wide_hosts", "roundtrip", "spmd", "matching_transfer", "routes",
+                                "reshard_transfer", "single_host_slice"}
+    assert_spmd_checks(r["checks"])
     assert_spread(r["nodes"])
     assert r["nodes"][0] == [nodes["worker"]] * 2  # pinned by a custom resource only the worker offers
     assert r["nodes"][1] == [nodes["head"]] * 2  # pinned by a node label

@@ -54,7 +54,7 @@ def test_bad_input_is_one_line_error(args, words, capsys, monkeypatch, tmp_path)
 
 
 
-def test_status_table():
+def test_the_status_table_shows_the_admin_everything_and_a_tenant_only_its_own():
     from pathways.cluster import ClusterStatus, HostStatus, IslandStatus
     from pathways.topology import Topology
 

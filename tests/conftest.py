@@ -1,4 +1,11 @@
-"""One embedded cluster (2 islands x 1 host x 4 CPU devices) shared by the whole test session."""
+"""The two tiers of the suite, and the embedded cluster the cluster tier shares.
+
+A test is in the **cluster tier** (marker ``cluster``) when it needs a live Ray cluster: it uses the
+``cluster`` fixture below (one embedded cluster, 2 islands x 1 host x 4 CPU devices, shared by the whole
+session), directly or through another fixture, or its module starts its own cluster or client processes and
+says so with ``pytestmark = pytest.mark.cluster``. Every other test is in the **unit tier**, which
+``python -m pytest -m "not cluster"`` runs without Ray; a unit test that starts Ray fails.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +16,54 @@ import time
 # before JAX loads (island hosts set their own through their runtime_env).
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 
+import numpy as np
+import psutil
 import pytest
 import ray
 
 import pathways as pw
+
+RAY_DAEMONS = ("raylet", "gcs_server")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark every test that needs the session's cluster (directly or through another fixture) as ``cluster``."""
+    for item in items:
+        if "cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.cluster)
+
+
+def ray_daemons() -> list[str]:
+    """The Ray daemons this process started (directly or through its children) that still run."""
+    out = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.name() in RAY_DAEMONS:
+                out.append(f"{child.name()} (pid {child.pid})")
+        except psutil.Error:  # gone meanwhile
+            pass
+    return out
+
+
+@pytest.fixture(autouse=True)
+def unit_tests_start_no_ray(request, monkeypatch):
+    """A unit test (not marked ``cluster``) may not start Ray: ``ray.init`` raises, and a Ray daemon left
+    running by the test, or Ray initialized in this process, fails it. When a cluster test already started
+    Ray in this session, there is nothing to compare against, and the test runs as it is."""
+    if request.node.get_closest_marker("cluster") is not None or ray.is_initialized() or ray_daemons():
+        yield
+        return
+    name = request.node.nodeid
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError(f"{name} is in the unit tier but starts Ray: mark it pytest.mark.cluster")
+
+    monkeypatch.setattr(ray, "init", refuse)
+    yield
+    started = ray_daemons()
+    assert not ray.is_initialized() and not started, (
+        f"{name} is in the unit tier but started Ray ({', '.join(started) or 'ray.init'}): mark it "
+        "pytest.mark.cluster")
 
 
 @pytest.fixture(scope="session")
@@ -21,6 +72,32 @@ def cluster():
                       timeouts=pw.Timeouts(fetch=60.0, op=30.0, gap=5.0))
     yield session
     pw.shutdown()
+
+
+def lower_graph(graph):
+    """Lower a traced program as the client does, to read its fragments' ops (the executables' bytes, which
+    only travel with the fragments, are left empty)."""
+    from client.lowering import lower
+    from pathways.graph import Compute
+
+    return lower(graph, {n.exe: b"" for n in graph.nodes if isinstance(n, Compute)})
+
+
+def on_island(array) -> np.ndarray:
+    """What ``array``'s island holds for it now: an identity computation reads the resident buffer, where a
+    fetch of ``array`` itself may answer from the copy its handle already fetched."""
+    return pw.jit(lambda v: v, slice=array.slice, in_specs=array.spec)(array).fetch(timeout=30)
+
+
+def assert_spmd_checks(checks: dict) -> None:
+    """What multihost_client.spmd computed on a 2-host island, against numpy: exact where data only moved,
+    within float32 rounding where it was computed; slices placed and transfers routed host i to host i."""
+    assert checks["small_hosts"] in ([0], [1]) and checks["wide_hosts"] == [0, 1], checks
+    for name in ("roundtrip", "matching_transfer"):
+        np.testing.assert_array_equal(checks[name]["got"], checks[name]["want"], err_msg=name)
+    for name in ("spmd", "reshard_transfer", "single_host_slice"):
+        np.testing.assert_allclose(checks[name]["got"], checks[name]["want"], rtol=1e-5, atol=1e-8, err_msg=name)
+    assert checks["routes"] == [[0, 0], [1, 1]]  # PaLM's host i -> host i
 
 
 def host_stats(session, island: int, host: int = 0) -> dict:

@@ -146,6 +146,19 @@ def stop_runtime(timeout: float = 60.0) -> None:
         time.sleep(0.2)
 
 
+def difference(got, want) -> dict:
+    """How a result differs from what it should be, small enough to print: element counts, the largest
+    difference, and the first element that differs (index, got, want)."""
+    got, want = np.asarray(got), np.asarray(want)
+    if got.shape != want.shape:
+        return {"shape": list(got.shape), "want_shape": list(want.shape)}
+    unequal = np.argwhere(got != want)
+    first = None if not len(unequal) else [unequal[0].tolist(), float(got[tuple(unequal[0])]),
+                                            float(want[tuple(unequal[0])])]
+    return {"elements": int(got.size), "unequal": len(unequal),
+            "max_abs_diff": float(np.max(np.abs(got - want))) if got.size else 0.0, "first": first}
+
+
 def emit(scenario: str, fn: Callable[[], dict]) -> None:
     start = time.monotonic()
     out = fn()
@@ -187,7 +200,7 @@ def network() -> dict:
     out: dict = {"addresses": [h.data for isl in pw.status().islands for h in isl.hosts]}
     for name, spec in (("matching", P("x", None)), ("reshard", P(None, "x"))):
         f = pw.jit(lambda v: v * 2.0 + jnp.float32(1.0), slice=s1, in_specs=spec, out_specs=spec)
-        out[name] = bool(np.array_equal(np.asarray(pw.program(lambda v, f=f: f(v))(x)), a * 2.0 + 1.0))
+        out[name] = difference(pw.program(lambda v, f=f: f(v))(x), a * 2.0 + 1.0)
     after = [_stats(0), _stats(1)]
     out["moved"] = 2 * a.nbytes
     out["net_bytes_in"] = after[1]["net_bytes_in"] - before[1]["net_bytes_in"]
@@ -206,7 +219,7 @@ def network() -> dict:
         time.sleep(0.1)
     out["refused"] = refused
     out["auth_refused"] = _stats(1)["net_auth_refused"] - before[1]["net_auth_refused"]
-    out["still_works"] = bool(np.array_equal(np.asarray(pw.program(lambda v: f(v))(x)), a * 2.0 + 1.0))
+    out["still_works"] = difference(pw.program(lambda v: f(v))(x), a * 2.0 + 1.0)
 
     # overlap: island 1 (the worker, which sends at WORKER_RATE) ships 32 MiB to island 0 and computes meanwhile
     corner = pw.jit(lambda v: v[:1, :1], slice=s0, in_specs=P("x", None), out_specs=P())

@@ -23,7 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from client import cli, jobs, tables
+from client import jobs
+
+pytestmark = pytest.mark.cluster
 
 JOB_SCRIPT = textwrap.dedent("""
     import shutil, sys
@@ -155,13 +157,9 @@ class Cli:
         return proc.stdout
 
 
-@pytest.fixture(scope="module")
-def pw_cli(tmp_path_factory):
-    if not Path("/proc/self/stat").exists():
-        pytest.skip("needs /proc to check which processes `pathways down` stopped")
-    workdir = tmp_path_factory.mktemp("job-dir")
-    (workdir / "job.py").write_text(JOB_SCRIPT)
-    run = Cli(tmp_path_factory.mktemp("pathways-home"), workdir)
+def start_cli(home: Path, workdir: Path) -> Cli:
+    """`pathways up` of a one-island cluster on free ports, with its own home."""
+    run = Cli(home, workdir)
     port, dashboard = free_port(), free_port()
     run.topology = ["--islands", "1", "--hosts-per-island", "1", "--devices-per-host", "2"]
     t0 = time.monotonic()
@@ -169,10 +167,31 @@ def pw_cli(tmp_path_factory):
              timeout=180)
     run.up_s = time.monotonic() - t0
     run.up_out, run.port = up.stdout, port
-    yield run
+    return run
+
+
+def stop_head_of(run: Cli) -> None:
+    """Never leave a head behind, whatever a test did to it."""
     state = run.state()
-    if state and state["head_pid"]:  # a test failed before `down`: never leave our head behind
+    if state and state["head_pid"]:
         jobs.stop_head(state["head_pid"], state["temp_dir"])
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    if not Path("/proc/self/stat").exists():
+        pytest.skip("needs /proc to check which processes `pathways down` stopped")
+    workdir = tmp_path_factory.mktemp("job-dir")
+    (workdir / "job.py").write_text(JOB_SCRIPT)
+    return workdir
+
+
+@pytest.fixture(scope="module")
+def pw_cli(tmp_path_factory, workdir):
+    """The cluster the tests of this module share; each test leaves it as it found it: up, with a runtime."""
+    run = start_cli(tmp_path_factory.mktemp("pathways-home"), workdir)
+    yield run
+    stop_head_of(run)
 
 
 @pytest.fixture(scope="module")
@@ -181,6 +200,15 @@ def tenants(pw_cli):
     pw_cli("tenants", "add", "alice", "--weight", "2", "--quota", "2")
     pw_cli("tenants", "add", "bob", "--weight", "1")
     return pw_cli
+
+
+@pytest.fixture(scope="module")
+def alice_job(tenants) -> dict:
+    """A job of alice's that runs to its end: what `submit --wait` printed, and right after it, the admin's
+    status and everything Ray's job API shows."""
+    out = tenants("submit", "--tenant", "alice", "--wait", "--", "python", "job.py", timeout=240).stdout
+    return {"out": out, "job": out.split()[1], "status": json.loads(tenants("status", "--json").stdout),
+            "shown": tenants.job_api()}
 
 
 def test_up_creates_the_admin_credential_and_records_the_head(pw_cli):
@@ -207,6 +235,7 @@ def test_tenants_commands_need_the_admin_credential(tenants, tmp_path):
     one_line_error(tenants("tenants", "add", "mallory", "--weight", "9", "--admin-credential-file",
                            str(tmp_path / "credentials" / "alice"), ok=False, env=other),
                    "this operation needs the cluster's admin credential")
+    assert "mallory" not in tenants("tenants", "list").stdout
 
 
 def test_tenants_add_list_set_remove(tenants):
@@ -217,7 +246,6 @@ def test_tenants_add_list_set_remove(tenants):
     assert "added tenant carol: weight 3, quota 1" in out and first in out and str(path) in out
     lines = tenants("tenants", "list").stdout.splitlines()
     assert lines[0].split() == ["TENANT", "WEIGHT", "QUOTA", "CLIENTS", "DEVICES"]
-    # no "mallory": the non-admin's add was refused
     assert [line.split() for line in lines[1:]] == [["alice", "2", "2", "0", "0"], ["bob", "1", "-", "0", "0"],
                                                     ["carol", "3", "1", "0", "0"]]
     out = tenants("tenants", "set", "carol", "--weight", "5", "--no-quota", "--new-credential").stdout
@@ -227,34 +255,32 @@ def test_tenants_add_list_set_remove(tenants):
     assert "removed tenant carol" in out and not path.exists()
 
 
-def test_a_job_runs_as_its_tenant_with_a_ticket(tenants):
+def test_a_job_runs_as_its_tenant_with_a_ticket(tenants, alice_job):
     """The job gets a ticket (never the credential), runs as alice with the registry's weight, in this venv's
     python although the venv is not on PATH; its second use of the ticket is refused and logged."""
-    out = tenants("submit", "--tenant", "alice", "--wait", "--", "python", "job.py", timeout=240).stdout
-    job = out.split()[1]
+    out, job = alice_job["out"], alice_job["job"]
     assert out.startswith("submitted ") and job.startswith("alice-")
     assert "RESULT 140.0 TENANT alice WEIGHT 2.0" in out and f"job {job} SUCCEEDED" in out, out
     venv_bin = os.path.dirname(sys.executable)
     assert f"EXE {sys.executable} WHICH {venv_bin}{os.sep}python" in out, out
     assert f"SECOND TenantAccessError the ticket of job {job} was already used" in out, out
-    tenants.alice_job = job
-    st = json.loads(tenants("status", "--json").stdout)
+    st = alice_job["status"]
     assert st["view"] == "admin" and {"alice", "bob"} <= set(st["tenants"])
     assert {"job": job, "by_job": job} in [{k: r[k] for k in ("job", "by_job")} for r in st["refusals"]], st
-    shown = tenants.job_api()
+    shown = alice_job["shown"]
     assert job in shown and "PATHWAYS_TICKET" in shown  # what the job got, in plain view
     for secret in (tenants.credential("alice"), tenants.credential("bob"), (tenants.home / "admin.token").read_text()
                    .strip()):
         assert secret not in shown
 
 
-def test_stop_and_logs_only_on_your_own_jobs(tenants, tmp_path):
+def test_stop_and_logs_only_on_your_own_jobs(tenants, alice_job, tmp_path):
     out = tenants("submit", "--tenant", "bob", "--", "python", "-c", "import time; time.sleep(300)").stdout
     job = out.split()[1]
     alice = tenants.elsewhere(tmp_path, alice=tenants.credential("alice"))  # no admin credential, no bob's
     for command in ("stop", "logs"):
         one_line_error(tenants(command, job, ok=False, env=alice), f"job {job} is not yours")
-    assert "RESULT 140.0 TENANT alice" in tenants("logs", tenants.alice_job, env=alice).stdout
+    assert "RESULT 140.0 TENANT alice" in tenants("logs", alice_job["job"], env=alice).stdout
     bob_file = str(tenants.home / "credentials" / "bob")
     out = tenants("stop", job, "--credential-file", bob_file, env=alice, timeout=90).stdout
     assert out.strip() == f"job {job} STOPPED"
@@ -263,48 +289,23 @@ def test_stop_and_logs_only_on_your_own_jobs(tenants, tmp_path):
     assert any(line.startswith(job) and " bob " in line and "STOPPED" in line for line in table)
 
 
-@pytest.mark.parametrize("args, words", [
-    (["submit", "--tenant", "bad name", "--", "python", "x.py"], "tenant 'bad name'"),
-    (["submit", "--tenant", "t3"], "nothing to run"),
-    (["submit", "--tenant", "t3", "--weight", "2", "--", "python", "x.py"], "submit takes no --weight"),
-    (["submit", "--tenant", "t3", "--", "python", "x.py"], "no credential for tenant 't3'"),
-    (["tenants", "add", "t3", "--weight", "1"], "needs the cluster's admin credential"),
-    (["tenants", "add", "t3", "--weight", "0"], "--weight must be a positive number"),
-    (["tenants", "set", "t3"], "nothing to change"),
-    (["status"], "`pathways status` shows the whole cluster with the admin credential"),
-    (["status", "--address", "http://127.0.0.1:8265", "--tenant", "t3"], "looks like a URL"),
-    (["up", "--islands", "0"], "Topology.islands must be a positive int"),
-    (["up", "--quota", "0"], "--quota must be a positive"),
-])
-def test_bad_input_is_one_line_error(args, words, capsys, monkeypatch, tmp_path):
-    """Refused before anything touches Ray (so run in-process)."""
-    for name in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", *PRIVATE):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("PATHWAYS_HOME", str(tmp_path))
-    assert cli.main(args) == 1
-    err = capsys.readouterr().err
-    assert err.startswith("pathways: error: ") and err.count("\n") == 1 and words in err, err
-
-
-def test_up_joins_only_a_runtime_of_its_own_admin(pw_cli, tmp_path):
+def test_up_joins_only_its_own_admins_runtime_and_a_new_runtime_keeps_the_registry(tenants, tmp_path):
     """`up --address` joins a running runtime only with the admin credential it runs with; `down` of a joined
-    cluster removes the runtime but never stops a head it did not start."""
-    address, head = pw_cli.state()["address"], pw_cli.state()["head_pid"]
+    cluster removes the runtime but never stops a head it did not start. Then `up` on the head it started,
+    whose runtime is gone, starts a new runtime with the same registry: alice still authenticates, with her
+    weight (and the cluster is as this test found it)."""
+    address, head = tenants.state()["address"], tenants.state()["head_pid"]
     stranger = {"PATHWAYS_HOME": str(tmp_path / "stranger")}
-    one_line_error(pw_cli("up", "--address", address, *pw_cli.topology, ok=False, env=stranger),
+    one_line_error(tenants("up", "--address", address, *tenants.topology, ok=False, env=stranger),
                    "does not take the admin credential")
     admin = tmp_path / "admin"  # the same admin, from another home
-    jobs.write_secret(admin / "admin.token", (pw_cli.home / "admin.token").read_text().strip())
-    out = pw_cli("up", "--address", address, *pw_cli.topology, env={"PATHWAYS_HOME": str(admin)}).stdout
-    assert "(the runtime already ran there)" in out and pw_cli.state(admin)["head_pid"] is None
-    out = pw_cli("down", env={"PATHWAYS_HOME": str(admin)}).stdout
+    jobs.write_secret(admin / "admin.token", (tenants.home / "admin.token").read_text().strip())
+    out = tenants("up", "--address", address, *tenants.topology, env={"PATHWAYS_HOME": str(admin)}).stdout
+    assert "(the runtime already ran there)" in out and tenants.state(admin)["head_pid"] is None
+    out = tenants("down", env={"PATHWAYS_HOME": str(admin)}).stdout
     assert "removed the resource manager" in out and "left the Ray head" in out, out
-    assert alive(head) and pw_cli.state(admin) is None
+    assert alive(head) and tenants.state(admin) is None
 
-
-def test_the_registry_outlives_the_runtime(tenants):
-    """`up` on the head it started, whose runtime is gone (the test above removed it), starts a new runtime
-    with the same registry: alice still authenticates, with her weight."""
     out = tenants("up", *tenants.topology, "--timeout", "120", timeout=180).stdout
     assert "still runs; starting the runtime on it" in out, out
     st = json.loads(tenants("status", "--tenant", "alice", "--json").stdout)
@@ -312,116 +313,22 @@ def test_the_registry_outlives_the_runtime(tenants):
     assert list(st["tenants"]) == ["alice"] and st["tenants"]["alice"]["weight"] == 2.0
 
 
-def test_down_stops_exactly_our_head(pw_cli):
-    state = pw_cli.state()
-    ours = descendants(state["head_pid"]) | {state["head_pid"]}
-    assert len(ours) > 3  # gcs, raylet, dashboard, workers...
-    t0 = time.monotonic()
-    out = pw_cli("down", timeout=90).stdout
-    took = time.monotonic() - t0
-    assert "stopped the Ray head" in out and "the tenant registry stays in" in out, out
-    assert not [p for p in ours if alive(p)]
-    assert pw_cli.state() is None and not Path(state["temp_dir"]).exists()
-    host, port = state["address"].rsplit(":", 1)
-    with pytest.raises(ConnectionRefusedError):  # nothing listens on the GCS port any more
-        socket.create_connection((host, int(port)), timeout=5).close()
-    print(f"up {pw_cli.up_s:.1f}s, down {took:.1f}s")
-
-
-# -- no cluster needed -----------------------------------------------------------------------------
-
-def test_status_table():
-    from pathways.cluster import ClusterStatus, HostStatus, IslandStatus
-    from pathways.topology import Topology
-
-    host = HostStatus(island=0, host=0, node="abcdef0123456789", devices=["cpu:0", "cpu:1"], alive=True,
-                      buffers=3, buffer_bytes=3 << 20, queue_depth=1, busy_s=2.5, busy_fraction=0.4)
-    island = IslandStatus(0, True, "", [host], queue_depth=4, tenant_time_s={"alice": 1.0, "bob": 3.0})
-    st = ClusterStatus(Topology(1, 1, 2), [island], [{"key": "s1", "shape": [2], "axes": ["x"], "island": 0,
-                                                       "tenant": "bob", "devices": [[0, 0], [0, 1]]}],
-                       tenants={"alice": {"weight": 1.0, "quota": None, "clients": 1, "devices": 0},
-                                "bob": {"weight": 3.0, "quota": 2, "clients": 1, "devices": 2}})
-    lines = tables.render_status(st, "127.0.0.1:6379", [{"at": 0.0, "job": "a-1", "by_job": "b-2"}]).splitlines()
-    assert lines[0].endswith("whole cluster (admin)")
-    assert lines[3].split() == ["0", "healthy", "1/1", "2", "4", "alice", "25%", "(1.0s),", "bob", "75%", "(3.0s)"]
-    assert lines[6].split() == ["0/0", "abcdef012345", "2", "yes", "3", "(3.0", "MiB)", "0", "0", "1", "0", "2.5s",
-                                "(40%)"]
-    assert lines[9].split() == ["alice", "1", "-", "1", "0", "-"]
-    assert lines[10].split() == ["bob", "3", "2", "1", "2", "s1(2,)@island0"]
-    assert "a second use of the ticket of job a-1 (presented by job b-2)" in lines[11]
-
-    mine = IslandStatus(0, True, "", [host], tenant_time_s={"alice": 1.0}, others_time_s=3.0)
-    st = ClusterStatus(Topology(1, 1, 2), [mine], [], tenants={"alice": st.tenants["alice"]},
-                       others={"slices": 1, "devices": 2, "tenants": 1})
-    lines = tables.render_status(st, "127.0.0.1:6379").splitlines()
-    assert lines[0].endswith("your tenant's view") and "(others) 75% (3.0s), alice 25% (1.0s)" in lines[3]
-    assert lines[-1] == "other tenants: 1, holding 1 slices (2 devices)" and "bob" not in "\n".join(lines)
-
-
-def test_secrets_are_readable_by_their_owner_only(tmp_path, monkeypatch):
-    monkeypatch.setenv("PATHWAYS_HOME", str(tmp_path / "home"))
-    token, created = jobs.ensure_admin_credential()
-    path = tmp_path / "home" / "admin.token"
-    assert created and path.read_text().strip() == token and mode(path) == 0o600 and mode(path.parent) == 0o700
-    path.chmod(0o644)
-    assert jobs.ensure_admin_credential() == (token, False) and mode(path) == 0o600
-    monkeypatch.setenv("PATHWAYS_CREDENTIAL", "from-env")
-    assert jobs.tenant_credential("alice") == ("from-env", "PATHWAYS_CREDENTIAL")
-    monkeypatch.delenv("PATHWAYS_CREDENTIAL")
-    assert jobs.tenant_credential("alice") is None
-    jobs.write_secret(jobs.credential_path("alice"), "s3cret")
-    assert jobs.tenant_credential("alice") == ("s3cret", str(jobs.credential_path("alice")))
-    with pytest.raises(jobs.CliError, match="no such file"):
-        jobs.tenant_credential("alice", str(tmp_path / "missing"))
-    with pytest.raises(jobs.CliError, match="tenant '../admin.token'"):  # a job's metadata names no file
-        jobs.credential_path("../admin.token")
-
-
-def test_a_registry_of_another_admin_is_refused(tmp_path, capsys):
-    from pathways.auth import digest
-
-    registry = tmp_path / "registry.json"
-    registry.write_text(json.dumps({"admin": digest("old"), "default_quota": None, "tenants": []}))
-    cli._check_registry(str(registry), "old")
-    assert capsys.readouterr().out == ""
-    cli._check_registry(str(registry), "old", quota=4)  # the registry keeps its own default quota: say so
-    assert "keeps the default quota it was created with (none)" in capsys.readouterr().out
-    with pytest.raises(jobs.CliError, match="belongs to another admin credential"):
-        cli._check_registry(str(registry), "new")
-    cli._check_registry(str(tmp_path / "none.json"), "new")
-
-
-def test_the_job_runs_our_python():
-    assert jobs.with_our_python(["python", "x.py"]) == [sys.executable, "x.py"]
-    assert jobs.with_our_python(["python3", "-m", "m"]) == [sys.executable, "-m", "m"]
-    assert jobs.with_our_python(["/usr/bin/python3", "x.py"]) == ["/usr/bin/python3", "x.py"]
-    assert jobs.with_our_python(["bash", "run.sh"]) == ["bash", "run.sh"]
-
-
-def test_names_agree_with_the_session():
-    from client import admin, session
-
-    assert (jobs.TENANT_ENV, jobs.CREDENTIAL_ENV, jobs.TICKET_ENV, jobs.HOME_ENV, jobs.ADMIN_FILE) == \
-        (session.TENANT_ENV, session.CREDENTIAL_ENV, session.TICKET_ENV, session.HOME_ENV, admin.ADMIN_FILE)
-    assert jobs.home() == session.home() and jobs.credential_path("a") == session.credential_file("a")
-
-
-def test_address_precedence(tmp_path, monkeypatch):
-    monkeypatch.setenv("PATHWAYS_HOME", str(tmp_path))
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    monkeypatch.delenv("RAY_API_SERVER_ADDRESS", raising=False)
-    with pytest.raises(jobs.CliError, match="pathways up"):
-        jobs.resolve_address(None)
-    jobs.save_state(jobs.ClusterState("127.0.0.1:1", "http://127.0.0.1:2", None, None, {}, 0.0))
-    assert jobs.resolve_address(None) == "127.0.0.1:1" and os.environ["RAY_API_SERVER_ADDRESS"] == "http://127.0.0.1:2"
-    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.2:3")
-    assert jobs.resolve_address(None) == "127.0.0.2:3"
-    assert jobs.resolve_address("127.0.0.3:4") == "127.0.0.3:4" == os.environ["RAY_ADDRESS"]
-
-
-def test_format_and_required_arguments():
-    assert tables.table(["A", "LONG"], [[1, "x"], ["wide", 2]]).splitlines() == ["A     LONG", "1     x", "wide  2"]
-    with pytest.raises(SystemExit):
-        cli.parser().parse_args(["submit"])  # --tenant is required
-    with pytest.raises(SystemExit):
-        cli.parser().parse_args(["tenants", "add", "x"])  # --weight is required
+def test_down_stops_exactly_our_head(tmp_path, workdir):
+    """On a head of its own, so that no other test loses its cluster."""
+    run = start_cli(tmp_path / "home", workdir)
+    try:
+        state = run.state()
+        ours = descendants(state["head_pid"]) | {state["head_pid"]}
+        assert len(ours) > 3  # gcs, raylet, dashboard, workers...
+        t0 = time.monotonic()
+        out = run("down", timeout=90).stdout
+        took = time.monotonic() - t0
+        assert "stopped the Ray head" in out and "the tenant registry stays in" in out, out
+        assert not [p for p in ours if alive(p)]
+        assert run.state() is None and not Path(state["temp_dir"]).exists()
+        host, port = state["address"].rsplit(":", 1)
+        with pytest.raises(ConnectionRefusedError):  # nothing listens on the GCS port any more
+            socket.create_connection((host, int(port)), timeout=5).close()
+        print(f"up {run.up_s:.1f}s, down {took:.1f}s")
+    finally:
+        stop_head_of(run)

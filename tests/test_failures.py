@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.cluster  # starts its own cluster
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 

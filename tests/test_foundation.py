@@ -1,4 +1,5 @@
-"""Issue 2: cluster start, slices, compiled functions on slices, arrays, wire format, errors."""
+"""The basics on a live cluster: starting it, slices, compiled functions on slices, arrays and their frees,
+refused messages, and errors."""
 
 from __future__ import annotations
 

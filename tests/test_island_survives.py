@@ -35,6 +35,15 @@ def intruder(cluster):
     session.close()
 
 
+def put_inputs(fuzzer: Fuzzer) -> tuple[int, int]:
+    """Two fresh buffers of the fuzzer's session on its slice, holding its value: valid inputs of its template."""
+    ids = (fuzzer.session.mint(), fuzzer.session.mint())
+    for buffer_id in ids:
+        put = Put(buffer_id, fuzzer.slice.desc(), (), Aval((8,), "float32"))
+        fuzzer.session.outboxes.put(fuzzer.slice.island, put.encode(), [ray.put(fuzzer.value)])
+    return ids
+
+
 def its_output(session: Session, s: VirtualSlice, buffer_id: int) -> Array:
     """A handle on a buffer the session's raw message should have produced (or failed)."""
     return Array(session, buffer_id, (8,), np.float32, s, P(), frozenset({0}))
@@ -67,8 +76,8 @@ def test_a_meaningless_call_fails_alone_with_its_reason(cluster, intruder, case,
     }
     template, changes = variants[case]
     base = session.mint(template.n_values)
-    body = {"template": template.encode(), "base": base, "inputs": fuzzer._inputs(), "exes": {fuzzer.exe: fuzzer.blob},
-            "frees": (), **changes}
+    body = {"template": template.encode(), "base": base, "inputs": put_inputs(fuzzer),
+            "exes": {fuzzer.exe: fuzzer.blob}, "frees": (), **changes}
     session.outboxes.put(0, Call(**body).encode(), [])
     with pytest.raises(error, match=words):
         its_output(session, s, base + 2).fetch(timeout=20)
@@ -159,7 +168,7 @@ def test_a_stream_gap_that_never_fills_holds_back_only_its_own_client(cluster):
     session = Session(cluster.rm, "gappy", cluster.timeouts, False, tenant_env("gappy")["PATHWAYS_CREDENTIAL"])
     s = VirtualSlice(session, session.request("allocate", {"shape": [2], "axes": ["x"], "island": 0}))
     fuzzer = Fuzzer(session, s, seed=3)
-    inputs = fuzzer._inputs()  # messages 0 and 1 of its stream
+    inputs = put_inputs(fuzzer)  # messages 0 and 1 of its stream
     session.flush()
     base = session.mint(3)
     payload = Call(fuzzer.template.encode(), base, inputs, {fuzzer.exe: fuzzer.blob}, ()).encode()

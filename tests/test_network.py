@@ -122,13 +122,18 @@ def test_a_recv_op_accepts_only_the_shards_its_plan_routes_to_this_host():
     exp = expected_from_op(op, 1)
     assert exp.src_island == 3 and exp.senders == {0: frozenset({((0, 4), (0, 4))}), 1: frozenset({((4, 8), (0, 4))})}
     assert expected_from_op(op, 2) is None  # nothing of it lands on host 2
-    check = Receives._check
+    receives = Receives(lambda *piece: None, unclaimed_limit=1 << 20, stale_s=60.0)
     f32 = np.dtype(np.float32)
-    assert check(exp, (3, 1), 5, ((4, 8), (0, 4)), f32) == "ok"
-    assert "not island 2" in check(exp, (2, 1), 5, ((4, 8), (0, 4)), f32)
-    assert "does not route" in check(exp, (3, 0), 5, ((4, 8), (0, 4)), f32)
-    assert "names no shards" in check(exp, (3, 7), 5, ((4, 8), (0, 4)), f32)
-    assert "not float16" in check(exp, (3, 1), 5, ((4, 8), (0, 4)), np.dtype(np.float16))
+    assert receives.verdict((3, 1), 5, ((4, 8), (0, 4)), f32) == "later"  # not admitted yet: it may wait
+    receives.expect(5, exp)
+    check = receives.verdict
+    assert check((3, 1), 5, ((4, 8), (0, 4)), f32) == "ok"
+    assert "not island 2" in check((2, 1), 5, ((4, 8), (0, 4)), f32)
+    assert "does not route" in check((3, 0), 5, ((4, 8), (0, 4)), f32)
+    assert "names no shards" in check((3, 7), 5, ((4, 8), (0, 4)), f32)
+    assert "not float16" in check((3, 1), 5, ((4, 8), (0, 4)), np.dtype(np.float16))
+    receives.finished(5)
+    assert "already finished" in check((3, 1), 5, ((4, 8), (0, 4)), f32)
 
 
 def test_config_from_the_environment():

@@ -1,4 +1,4 @@
-"""Issue 8: execution traces, program graphs, and per-island metrics."""
+"""Observability: execution traces, program graphs, and per-island metrics."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def test_tracing_off_records_nothing(example, cluster):
     assert cluster.events.stop() == []
 
 
-def test_program_graph_renders(example, tmp_path):
+def test_the_program_graph_colours_islands_and_labels_transfer_bytes(example, tmp_path):
     f, v = example
     graph = f.graph(v)
     assert f.graph() is graph  # the most recent trace
@@ -82,7 +82,7 @@ def test_program_graph_renders(example, tmp_path):
     assert svg.lstrip().startswith("<?xml") and "island 0" in svg
 
 
-def test_metrics_per_island(example, cluster):
+def test_status_counts_bytes_compiles_and_tenant_time_per_island(example, cluster):
     f, v = example
     for _ in range(5):
         y, _z = f(v)

@@ -47,7 +47,7 @@ def _random_batch(config: PalmConfig, batch_size: int, seed: int = 0) -> dict:
     return {"inputs": jnp.asarray(tokens[:, :-1], jnp.int32), "targets": jnp.asarray(tokens[:, 1:], jnp.int32)}
 
 
-def test_shapes(params: dict) -> None:
+def test_forward_gives_logits_per_position_and_layers_share_one_kv_head(params: dict) -> None:
     tokens = jnp.zeros((3, TINY.seq_len), jnp.int32)
     logits = _forward(params, tokens, TINY)
     assert logits.shape == (3, TINY.seq_len, TINY.vocab_size)
@@ -74,7 +74,7 @@ def test_flops_per_token_formula() -> None:
     assert flops.hfu(1000.0, c, 1e15, recompute=True) > flops.mfu(1000.0, c, 1e15)
 
 
-def test_causal(params: dict) -> None:
+def test_changing_a_token_changes_no_earlier_logits(params: dict) -> None:
     tokens = _random_batch(TINY, 3, seed=1)["inputs"]
     changed = tokens.at[0, 10].set((tokens[0, 10] + 1) % 256)
     a, b = _forward(params, tokens, TINY), _forward(params, changed, TINY)
@@ -90,9 +90,10 @@ def test_loss_at_init_is_near_uniform(params: dict) -> None:
     assert float(loss) == pytest.approx(float(metrics["cross_entropy"] + metrics["z_loss"]), rel=1e-6)
 
 
-def test_z_loss_term() -> None:
+def test_zero_logits_give_the_closed_form_cross_entropy_and_z_loss() -> None:
     # Zero logits give log Z = ln(256) exactly, so both terms are known in closed form.
-    zero = jax.tree.map(jnp.zeros_like, model.init_params(TINY, jax.random.key(1)))
+    shapes = jax.eval_shape(lambda k: model.init_params(TINY, k), jax.random.key(1))
+    zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
     batch = _random_batch(TINY, BATCH)
     loss, metrics = _loss(zero, batch, TINY)
     log_z = math.log(256)
@@ -233,7 +234,7 @@ def test_optimizer_reduces_loss_on_a_fixed_batch(params: dict, text_batch: dict)
     assert losses[-1] < losses[0] - 0.5, losses
 
 
-def test_learning_rate_schedule() -> None:
+def test_learning_rate_warms_up_holds_then_decays_as_inverse_sqrt() -> None:
     lr = optim.learning_rate(optim.OptimConfig(peak_lr=1e-2, const_steps=10_000))
     assert float(lr(0)) == pytest.approx(1e-2)
     assert float(lr(10_000)) == pytest.approx(1e-2)
@@ -242,7 +243,7 @@ def test_learning_rate_schedule() -> None:
     assert float(warm(0)) == pytest.approx(1e-3) and float(warm(9)) == pytest.approx(1e-2)
 
 
-def test_peak_flops() -> None:
+def test_peak_flops_from_gpu_datasheets_or_measured_on_cpu() -> None:
     assert flops.gpu_datasheet_peak("NVIDIA H100 80GB HBM3") == 989e12
     assert flops.gpu_datasheet_peak("NVIDIA H200", "float32") == 67e12
     assert flops.gpu_datasheet_peak("NVIDIA A100-SXM4-80GB") == 312e12

@@ -1,4 +1,5 @@
-"""Issue 7: pipeline parallelism across islands (client/pipeline.py)."""
+"""Pipeline parallelism across islands (client/pipeline.py): gradients match the unpipelined model, schedules
+emit valid orders, and 1F1B bounds the live activations."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Issue 3: tracing, lowering, parallel dispatch, transfers, gang-scheduled execution."""
+"""Programs on a live cluster: tracing, lowering, parallel dispatch, transfers between islands, and
+gang-scheduled execution."""
 
 from __future__ import annotations
 
@@ -8,11 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import settle
+from conftest import lower_graph, settle
 from jax.sharding import PartitionSpec as P
 
 import pathways as pw
-from client.lowering import lower
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +24,7 @@ def slices(cluster):
     s2.release()
 
 
-def test_readme_example(slices):
+def test_the_readme_example_runs_and_frees_each_intermediate_after_its_last_use(slices):
     s1, s2 = slices
     a = pw.jit(lambda v: v * 2.0, slice=s1)
     b = pw.jit(lambda v: v + 1.0, slice=s2)
@@ -50,11 +50,10 @@ def test_readme_example(slices):
     assert len(graph.edges) == 5 and graph.islands == {0, 1}
     dot = graph.to_dot()
     assert dot.startswith('digraph "f"') and "island 0 -> 1" in dot and "8 bytes" in dot
-    assert len(f._cache) == 1  # traced once for this signature
     f(v)
-    assert len(f._cache) == 1
+    assert f.graph(v) is graph and f.last_graph is graph  # traced once for this signature
 
-    lowered = lower(graph, f._cache[next(iter(f._cache))].exes)
+    lowered = lower_graph(graph)
     ops0 = [(op.KIND, list(op.frees)) for op in lowered.fragments[0].ops]
     ops1 = [(op.KIND, list(op.frees)) for op in lowered.fragments[1].ops]
     # x (slot 1) is freed after its last use (c), c's output (slot 4) after the final a; outputs are kept
@@ -82,7 +81,7 @@ def test_chain_of_128_alternating_islands(slices):
     assert len(chain.graph(pw.put(x0, s1)).nodes) == 128 + 127  # the input already lives on island 0
 
 
-def test_diamond(slices, cluster):
+def test_a_diamond_over_three_slices_computes_what_numpy_does(slices, cluster):
     s1, s2 = slices
     with pw.slice((2, 2), ("data", "model"), island=1) as s3:
         top = pw.jit(lambda v: v + 1.0, slice=s1, in_specs=(P("x"),), out_specs=P("x"))

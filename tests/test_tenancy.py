@@ -1,4 +1,5 @@
-"""Isolation between tenants, quotas, fair share, reclamation; real client processes."""
+"""Isolation between tenants, quotas, fair share, reclamation; real client processes. The scheduler's fair share
+without a cluster is in test_scheduler.py."""
 
 from __future__ import annotations
 
@@ -11,12 +12,9 @@ import time
 
 import numpy as np
 import pytest
-from conftest import host_stats, tenant_env
+from conftest import host_stats, on_island, tenant_env
 
 import pathways as pw
-from pathways.messages import CLIENT_ID_BITS, Call
-from resource_manager.admission import Admitted
-from resource_manager.scheduler import Scheduler
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -43,8 +41,7 @@ def test_another_tenant_can_neither_read_nor_change_nor_see_my_data(cluster):
             assert r[attempt].startswith("TenantAccessError"), r
         assert cluster.tenant not in json.dumps(r)  # the owner's identity is not revealed
         assert "[1.0, 2.0" not in json.dumps(r)
-        secret._value = None
-        np.testing.assert_array_equal(secret.fetch(), [1.0, 2.0, 3.0, 4.0])
+        np.testing.assert_array_equal(on_island(secret), [1.0, 2.0, 3.0, 4.0])
 
 
 def test_quota_limits_a_tenants_devices(cluster):
@@ -101,33 +98,6 @@ def test_weighted_fair_share_of_island_time(cluster):
     light = after["light"] - before.get("light", 0.0)
     heavy = after["heavy"] - before.get("heavy", 0.0)
     assert 2.2 < heavy / light < 4.0, (heavy, light)  # weights 3:1; benchmarks/tenancy.py holds the ±10% target
-
-
-def admitted(client: int, tenant: str, k: int) -> Admitted:
-    call = Call(b"", (client << CLIENT_ID_BITS) + k, (), {}, ())
-    return Admitted(client, tenant, call.encode(), (), call)
-
-
-def test_the_scheduler_keeps_one_order_and_shares_by_weight():
-    scheduler = Scheduler(0, 1, window=8, eager=2)
-    released = []
-    for client, (tenant, weight) in enumerate({"light": 1.0, "heavy": 3.0}.items(), start=1):
-        scheduler.set_weight(tenant, weight)
-        for k in range(200):
-            released += scheduler.queue([admitted(client, tenant, k)])
-    assert 0 < len(released) <= 8, "the window bounds what is in flight"
-    done = 0
-    while done < 400:  # the island runs everything in flight, 1 ms each, and reports it at once
-        pending = released[done:]
-        assert 0 < len(pending) <= 8
-        done = len(released)
-        released += scheduler.completed([[seq, 1e-3] for seq, _ in pending])
-    assert [seq for seq, _ in released] == list(range(400))
-    tenants = [item.tenant for _, item in released[8:200]]  # after the first window, sent before heavy arrived
-    assert 2.7 < tenants.count("heavy") / tenants.count("light") < 3.3  # weights 3:1
-    for tenant in ("light", "heavy"):  # each client's messages keep their order
-        bases = [item.request.base for _, item in released if item.tenant == tenant]
-        assert bases == sorted(bases)
 
 
 def test_a_burst_of_dependent_calls_is_coalesced_and_stays_in_order(cluster):

@@ -259,7 +259,8 @@ def region_of(shard: Sequence[Sequence[int]]) -> Region:
 
 @dataclass(frozen=True)
 class Send(Op):
-    """Send a value's shards to another island's hosts, where a Recv with receive slot ``key`` takes them."""
+    """Send a value's shards to island ``island``'s hosts (another island's, or other hosts of this one), where a
+    Recv with receive slot ``key`` takes them."""
 
     KIND: ClassVar[str] = "send"
     source: int
@@ -273,10 +274,10 @@ class Send(Op):
         return (self.source,)
 
     def check(self, template: Template, limits: Limits) -> None:
-        """The target is another island, the receive slot a value of this call, and each route names hosts that exist.
+        """The target island exists, the receive slot is a value of this call, and each route names hosts that exist.
         """
-        if not 0 <= self.island < limits.islands or self.island == limits.island:
-            raise ResourceError(f"op send: island {self.island} is not another island of this cluster "
+        if not 0 <= self.island < limits.islands:
+            raise ResourceError(f"op send: island {self.island} is not an island of this cluster "
                                 f"({limits.islands} islands)")
         if not template.n_inputs <= self.key < template.n_values:
             raise ProgramError(f"op send: receive slot {self.key} is not a value of this call")
@@ -326,15 +327,16 @@ class Recv(Op):
                       {r.host: frozenset(r.shards) for r in mine})
 
     def check(self, template: Template, limits: Limits) -> None:
-        """The array fits the slice and its hosts, the source is another island, and each route names hosts that exist
+        """The array fits the slice and its hosts, the source island exists, and each route names hosts that exist
         and regions of the array."""
         what = f"op recv of {self.aval.describe()}"
         self.aval.check(what)
         desc = template.slice(self.slice, what)
         desc.check_spec(self.spec, self.aval.shape, what)
         check_fits(self.aval, self.spec, desc, limits, what)
-        if not 0 <= self.src < limits.islands or self.src == limits.island:
-            raise ResourceError(f"{what}: source island {self.src} is not another island of this cluster")
+        if not 0 <= self.src < limits.islands:
+            raise ResourceError(f"{what}: source island {self.src} is not an island of this cluster "
+                                f"({limits.islands} islands)")
         if len(self.routes) > limits.hosts * limits.hosts:
             raise ProgramError(f"{what}: {len(self.routes)} routes between {limits.hosts}-host islands")
         for r in self.routes:

@@ -225,6 +225,15 @@ class Handlers:
         if routes:
             self._sender.submit(self._deliver_all, failure, run.rid(op.key), op.island, routes, run.tenant)
 
+    def _post(self, island: int, host: int, msg: Deliver, arrays: list[np.ndarray]) -> bool:
+        """Hand ``msg`` to its receiving host; a route from this host to itself (a transfer between slices of
+        this island) files a copy here, since the value it reads may be freed or donated before the recv."""
+        if (island, host) != (self.island, self.host):
+            return self.peers.send(island, host, msg, arrays, self.op_timeout)
+        with self.receiver.cond:
+            self.receiver.deliver(msg, [np.array(a, copy=True) for a in arrays], (self.island, self.host))
+        return False
+
     def _deliver_all(self, value: Any, key: int, island: int, routes: list[Route], tenant: str) -> None:
         try:
             pieces = None if isinstance(value, Failure) else local_pieces(value)
@@ -235,14 +244,14 @@ class Handlers:
             try:
                 if pieces is None:
                     failed = Deliver(key, self.island, self.host, (), (value.kind, value.message))
-                    self.peers.send(island, route.to, failed, [], self.op_timeout)
+                    self._post(island, route.to, failed, [])
                     continue
                 missing = [s for s in route.shards if s not in pieces]
                 if missing:
                     raise ProgramError(f"a send names shard {missing[0]}, which this host does not hold")
                 start = time.time()
                 datas = [np.asarray(pieces[s]) for s in route.shards]
-                direct = self.peers.send(island, route.to, msg, datas, self.op_timeout)
+                direct = self._post(island, route.to, msg, datas)
                 nbytes = sum(d.nbytes for d in datas)
                 self.bytes_out += nbytes
                 if self.events.enabled:
@@ -252,7 +261,6 @@ class Handlers:
                 log.warning("island %d host %d: a send to island %d host %d failed: %s", self.island, self.host,
                             island, route.to, exc)
                 try:
-                    self.peers.send(island, route.to, Deliver(key, self.island, self.host, (), to_wire(exc)), [],
-                                    self.op_timeout)
+                    self._post(island, route.to, Deliver(key, self.island, self.host, (), to_wire(exc)), [])
                 except Exception:  # the peer is gone: its island's failure is reported by the health checks
                     pass

@@ -95,7 +95,7 @@ def assert_spmd_checks(checks: dict) -> None:
     assert checks["small_hosts"] in ([0], [1]) and checks["wide_hosts"] == [0, 1], checks
     for name in ("roundtrip", "matching_transfer"):
         np.testing.assert_array_equal(checks[name]["got"], checks[name]["want"], err_msg=name)
-    for name in ("spmd", "reshard_transfer", "single_host_slice"):
+    for name in ("spmd", "reshard_transfer", "single_host_slice", "within_island", "to_one_host"):
         np.testing.assert_allclose(checks[name]["got"], checks[name]["want"], rtol=1e-5, atol=1e-8, err_msg=name)
     assert checks["routes"] == [[0, 0], [1, 1]]  # PaLM's host i -> host i
 

@@ -42,6 +42,12 @@ def spmd() -> dict:
     out["routes"] = [[r.host, r.to] for r in send.routes]
     h = pw.jit(lambda v: v + 1.0, slice=other, in_specs=(P(None, "data"),), out_specs=P())
     out["reshard_transfer"] = pair(pw.program(lambda v: h(v))(x), a + 1)
+    # Within the 2-host island: f's output, sharded over both hosts, read whole by a computation on the same
+    # slice, and by one on a slice of one host (the hosts exchange their shards).
+    whole = pw.jit(lambda v: v * 3.0, slice=wide, in_specs=(P(),), out_specs=P())
+    out["within_island"] = pair(pw.program(lambda v: whole(f(v)))(x), 3 * (np.tanh(a) @ a.T))
+    one = pw.jit(lambda v: v - 1.0, slice=small, in_specs=(P(),), out_specs=P())
+    out["to_one_host"] = pair(pw.program(lambda v: one(f(v)))(x), np.tanh(a) @ a.T - 1)
     y = pw.put(a, small, P("x"))
     out["single_host_slice"] = pair(pw.jit(lambda v: v.sum(), slice=small, in_specs=(P("x"),))(y), a.sum())
     pw.shutdown()

@@ -54,7 +54,7 @@ def its_output(session: Session, s: VirtualSlice, buffer_id: int) -> Array:
     ("read of an unwritten slot", pw.ProgramError, "which no earlier op wrote"),
     ("unknown executable", pw.ProgramError, "was never sent"),
     ("receive of 16 EiB", pw.ResourceError, "GiB"),
-    ("send to its own island", pw.ResourceError, "not another island"),
+    ("send to island 7", pw.ResourceError, "island 7 is not an island of this cluster"),
     ("another client's inputs", pw.TenantAccessError, "not one of your client's ids"),
     ("empty inputs", pw.ProgramError, "takes 2 inputs"),
 ])
@@ -70,7 +70,7 @@ def test_a_meaningless_call_fails_alone_with_its_reason(cluster, intruder, case,
         "unknown executable": (replace(t, ops=(replace(op, exe="ab" * 32),)), {"exes": {}}),
         "receive of 16 EiB": (replace(t, n_values=4, ops=(op, Recv(3, desc.key, (), Aval((2**31, 2**31), "float32"),
                                                                    1, (Route(0, 0, (((0, 1), (0, 1)),)),)))), {}),
-        "send to its own island": (replace(t, n_values=4, ops=(op, Send(2, 3, 0, ()))), {}),
+        "send to island 7": (replace(t, n_values=4, ops=(op, Send(2, 3, 7, ()))), {}),
         "another client's inputs": (t, {"inputs": ((session.client_id + 7) << 40, (session.client_id + 7) << 40)}),
         "empty inputs": (t, {"inputs": ()}),
     }

@@ -150,9 +150,6 @@ def test_a_transfer_between_slices_of_one_host_is_a_local_reshard():
     assert not any(isinstance(op, Send | Recv) for op in lowered.fragments[0].ops)
 
 
-@pytest.mark.xfail(strict=True, reason="a transfer between slices of one multi-host island (or a reshard on a "
-                   "multi-host slice) lowers to a Send to its own island, which Send.check/Recv.check refuse "
-                   "(pathways/ops.py: 'island 0 is not another island of this cluster')")
 @pytest.mark.parametrize("target", ["another slice", "the same slice"])
 def test_a_transfer_within_a_two_host_island_lowers_to_a_fragment_the_island_admits(target):
     both = vslice("both", 0, TWO_HOSTS)

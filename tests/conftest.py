@@ -92,10 +92,13 @@ def on_island(array) -> np.ndarray:
 def assert_spmd_checks(checks: dict) -> None:
     """What multihost_client.spmd computed on a 2-host island, against numpy: exact where data only moved,
     within float32 rounding where it was computed; slices placed and transfers routed host i to host i."""
+    exact = ("roundtrip", "matching_transfer")
+    close = ("spmd", "reshard_transfer", "single_host_slice", "within_island", "to_one_host")
+    assert set(checks) == {"small_hosts", "wide_hosts", "routes", *exact, *close}, sorted(checks)
     assert checks["small_hosts"] in ([0], [1]) and checks["wide_hosts"] == [0, 1], checks
-    for name in ("roundtrip", "matching_transfer"):
+    for name in exact:
         np.testing.assert_array_equal(checks[name]["got"], checks[name]["want"], err_msg=name)
-    for name in ("spmd", "reshard_transfer", "single_host_slice", "within_island", "to_one_host"):
+    for name in close:
         np.testing.assert_allclose(checks[name]["got"], checks[name]["want"], rtol=1e-5, atol=1e-8, err_msg=name)
     assert checks["routes"] == [[0, 0], [1, 1]]  # PaLM's host i -> host i
 

@@ -132,8 +132,9 @@ def test_names_agree_with_the_session():
 
 def test_address_precedence(tmp_path, monkeypatch):
     monkeypatch.setenv("PATHWAYS_HOME", str(tmp_path))
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    monkeypatch.delenv("RAY_API_SERVER_ADDRESS", raising=False)
+    for name in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"):  # resolve_address sets them: restored after the test
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     with pytest.raises(jobs.CliError, match="pathways up"):
         jobs.resolve_address(None)
     jobs.save_state(jobs.ClusterState("127.0.0.1:1", "http://127.0.0.1:2", None, None, {}, 0.0))

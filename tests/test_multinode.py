@@ -125,8 +125,6 @@ def test_a_connection_without_the_runtime_secret_is_refused(scenarios):
 
 def test_multihost_islands_pinned_to_their_nodes(scenarios):
     r, nodes = scenarios["multihost"], scenarios["cluster"]
-    assert set(r["checks"]) == {"small_hosts", "wide_hosts", "roundtrip", "spmd", "matching_transfer", "routes",
-                                "reshard_transfer", "single_host_slice"}
     assert_spmd_checks(r["checks"])
     assert_spread(r["nodes"])
     assert r["nodes"][0] == [nodes["worker"]] * 2  # pinned by a custom resource only the worker offers

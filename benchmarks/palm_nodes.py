@@ -38,6 +38,7 @@ from benchmarks.palm_overlap import exposed_exchange, run_block  # noqa: E402
 from examples.palm import data, model, optim  # noqa: E402
 from examples.palm.config import CONFIGS  # noqa: E402
 from examples.palm.step import TrainStep  # noqa: E402
+from pathways.names import RAY_SYSTEM_CONFIG  # noqa: E402
 
 LABEL = "pathways-bench/node"
 PLACEMENTS = {"one node": (0, 1), "two nodes": (2, 3)}
@@ -61,7 +62,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     start = time.perf_counter()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False,
-                                                            "labels": {LABEL: "head"}})
+                                                            "labels": {LABEL: "head"},
+                                                            "_system_config": RAY_SYSTEM_CONFIG})
     worker = cluster.add_node(num_cpus=1, labels={LABEL: "worker"})
     cluster.wait_for_nodes()
     topology = pw.Topology(4, 1, 4, node_labels={0: {LABEL: "head"}, 1: {LABEL: "head"}, 2: {LABEL: "head"},

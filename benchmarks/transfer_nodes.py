@@ -66,6 +66,7 @@ from benchmarks.transfer import (  # noqa: E402
     shape_for,
     warmups,
 )
+from pathways.names import RAY_SYSTEM_CONFIG  # noqa: E402
 
 LABEL = "pathways-bench/node"
 SAME, CROSS = 1, 2  # destination islands: the same node as island 0, and the other node
@@ -77,7 +78,8 @@ def start_cluster(store_bytes: int):
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False,
                                                             "object_store_memory": store_bytes,
-                                                            "labels": {LABEL: "head"}})
+                                                            "labels": {LABEL: "head"},
+                                                            "_system_config": RAY_SYSTEM_CONFIG})
     worker = cluster.add_node(num_cpus=1, object_store_memory=store_bytes, labels={LABEL: "worker"})
     cluster.wait_for_nodes()
     return cluster, worker

@@ -301,6 +301,9 @@ def _start_head(port: int, dashboard_port: int, num_cpus: int | None, deadline: 
     # never this process's tenant, credential or ticket.
     env = {k: v for k, v in os.environ.items() if k not in PRIVATE_ENV}
     env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = "0"
+    from pathways.names import RAY_SYSTEM_ENV
+
+    env.update(RAY_SYSTEM_ENV)
     log_path = Path(temp_dir) / "head.log"
     log = open(log_path, "wb")  # noqa: SIM115 - the head writes it after we return
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,

@@ -58,7 +58,7 @@ class ProgramFunction:
         for k, leaf in enumerate(leaves):
             if isinstance(leaf, Array):
                 check_usable(leaf, f"{self.name} got")
-                sig.append(("array", leaf.shape, str(leaf.dtype), leaf.weak_type, leaf.slice.key,
+                sig.append(("array", leaf.shape, leaf.dtype, leaf.weak_type, leaf.slice.key,
                             norm_spec(leaf.spec), first.setdefault(leaf.id, k)))
             elif is_host_value(leaf) and (self.op_by_op or type(leaf) not in PYTHON_SCALARS):
                 sig.append(("host", *host_aval(leaf)))

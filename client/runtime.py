@@ -21,7 +21,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from client.jobs import enable_token_auth
 from pathways import wire
 from pathways.errors import PathwaysError, ResourceError, from_wire
-from pathways.names import NAMESPACE, RESOURCE_MANAGER
+from pathways.names import NAMESPACE, RAY_SYSTEM_CONFIG, RESOURCE_MANAGER
 from pathways.topology import Topology
 
 CONNECT_TIMEOUT_S = 3.0
@@ -80,7 +80,8 @@ def connect(address: str | None) -> bool:
     if recorded:
         log.warning("ignoring the Ray address recorded on this machine (%s): no cluster answers there; starting "
                     "an embedded local cluster", recorded)
-    ray.init(address="local", namespace=NAMESPACE, include_dashboard=False, logging_level=logging.WARNING)
+    ray.init(address="local", namespace=NAMESPACE, include_dashboard=False, logging_level=logging.WARNING,
+             _system_config=RAY_SYSTEM_CONFIG)
     return True
 
 

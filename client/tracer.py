@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import os
 import sys
 from collections.abc import Iterator
@@ -69,6 +70,14 @@ def user_line() -> str:
 
 def norm_spec(spec: P) -> tuple:
     """A PartitionSpec as a hashable tuple without trailing None entries, so equal shardings compare equal."""
+    try:
+        return _norm_spec(spec)  # every argument of every call: specs repeat
+    except TypeError:  # an unhashable entry (a list): spec_to_wire says what is wrong with it, or takes it
+        return _norm_spec.__wrapped__(spec)
+
+
+@functools.lru_cache(maxsize=4096)
+def _norm_spec(spec: P) -> tuple:
     entries = spec_to_wire(spec)
     while entries and entries[-1] is None:
         entries.pop()

@@ -141,7 +141,6 @@ class Admission:
         try:
             request = decode_request(payload)
             if isinstance(request, Call):
-                lo, hi = request.base, request.base + declared_values(request.template)
                 template = self._check_call(client, tenant, request)
                 return Admitted(client, tenant, payload, refs, request, template)
             if isinstance(request, Put):
@@ -151,6 +150,8 @@ class Admission:
             own = tuple(i for i in request.ids if client_of(i) == client)
             return Admitted(client, tenant, payload, refs, Free(own, request.everything))
         except PathwaysError as exc:
+            if isinstance(request, Call):  # read only now: a good call's template is decoded once, cached
+                lo, hi = request.base, request.base + declared_values(request.template)
             if client_of(lo) != client or client_of(max(hi - 1, lo)) != client:
                 lo = hi = 0  # never fail ids outside the sender's own space
             return Admitted(client, tenant, payload, refs, request, None, Failure(*to_wire(exc)), lo, hi)

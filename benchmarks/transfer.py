@@ -32,7 +32,7 @@ import argparse
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -139,7 +139,10 @@ class Row:
                               "streamed": self.stream_s}}
 
 
-def runtime_times(row: Row, slices: Sequence[pw.VirtualSlice], reps: int) -> None:
+def runtime_times(row: Row, slices: Sequence[pw.VirtualSlice], reps: int,
+                  also: Callable[[], None] | None = None) -> None:
+    """Time the move (and the same probe without it) ``reps`` times, after warm-up; ``also`` runs in each
+    repetition too, so a burst of load on the shared machine hits it and the move alike."""
     src_spec, dst_spec = CASES[row.case]
     shape = shape_for(row.nbytes)
     value = np.arange(shape[0] * shape[1], dtype=np.float32).reshape(shape)
@@ -157,6 +160,8 @@ def runtime_times(row: Row, slices: Sequence[pw.VirtualSlice], reps: int) -> Non
     for _ in range(reps):
         row.move_s.append(timed(lambda: move(x).block_until_ready(timeout=TIMEOUT_S)))
         row.stay_s.append(timed(lambda: stay(x).block_until_ready(timeout=TIMEOUT_S)))
+        if also is not None:
+            also()
     if row.nbytes >= MIB:
         def stream() -> None:
             for probe in [move(x) for _ in range(row.streamed)]:

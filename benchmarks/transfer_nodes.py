@@ -48,12 +48,11 @@ if __name__ == "__main__":
     os.environ["RAY_TMPDIR"] = os.environ.get("RAY_TMPDIR") or tempfile.mkdtemp(prefix="pwbench-", dir="/tmp")
     os.environ.setdefault("RAY_AUTH_MODE", "token")
 
-import numpy as np  # noqa: E402
 import ray  # noqa: E402
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 
 import pathways as pw  # noqa: E402
-from benchmarks.common import Table, default_out, median, ratio, ratio_text, timed, write_json  # noqa: E402
+from benchmarks.common import Table, default_out, median, ratio, ratio_text, write_json  # noqa: E402
 from benchmarks.transfer import (  # noqa: E402
     CASES,
     DEVICES,
@@ -61,10 +60,8 @@ from benchmarks.transfer import (  # noqa: E402
     TIMEOUT_S,
     Endpoint,
     Row,
-    corner,
     ray_times,
-    shape_for,
-    warmups,
+    runtime_times,
 )
 from pathways.names import RAY_SYSTEM_CONFIG  # noqa: E402
 
@@ -130,41 +127,6 @@ def raw_probe(nbytes: int) -> float:
     return pw.admin().probe_network((0, 0), (CROSS, 0), nbytes)
 
 
-def runtime_times(row: Row, slices: Sequence[pw.VirtualSlice], reps: int, raw: list[float] | None = None) -> None:
-    """``benchmarks.transfer.runtime_times``, with the raw probe (when ``raw`` collects it) taken in the same
-    repetitions as the moves, so a burst of load on the shared machine hits both."""
-    from jax.sharding import PartitionSpec as P
-
-    src_spec, dst_spec = CASES[row.case]
-    shape = shape_for(row.nbytes)
-    value = np.arange(shape[0] * shape[1], dtype=np.float32).reshape(shape)
-    x = pw.put(value, slices[0], src_spec).block_until_ready(timeout=TIMEOUT_S)
-    stay = pw.jit(corner, slice=slices[0], in_specs=src_spec, out_specs=P(), name="corner")
-    there = pw.jit(corner, slice=slices[1], in_specs=dst_spec, out_specs=P(), name="corner")
-    move = pw.program(lambda v: there(v))
-    got = move(x).fetch(timeout=TIMEOUT_S)
-    if got[0, 0] != value[0, 0]:
-        raise AssertionError(f"the moved array's first element is {got[0, 0]}, expected {value[0, 0]}")
-    stay(x).block_until_ready(timeout=TIMEOUT_S)
-    for _ in range(warmups(row.nbytes)):
-        row.cold_s.append(timed(lambda: move(x).block_until_ready(timeout=TIMEOUT_S)))
-    row.cold_s = row.cold_s[:3]
-    if raw is not None:
-        raw_probe(row.nbytes)  # warm: the landing buffer there
-    for _ in range(reps):
-        row.move_s.append(timed(lambda: move(x).block_until_ready(timeout=TIMEOUT_S)))
-        row.stay_s.append(timed(lambda: stay(x).block_until_ready(timeout=TIMEOUT_S)))
-        if raw is not None:
-            raw.append(raw_probe(row.nbytes))
-
-    def stream() -> None:
-        for probe in [move(x) for _ in range(row.streamed)]:
-            probe.block_until_ready(timeout=TIMEOUT_S)
-
-    stream()
-    row.stream_s = [timed(stream) for _ in range(reps)]
-
-
 def check_nodes(cluster, worker) -> None:
     nodes = [h.node for isl in pw.status().islands for h in isl.hosts]
     head, other = cluster.head_node.node_id, worker.node_id
@@ -209,7 +171,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         for label, nbytes, case in plan:
             t = time.perf_counter()
             row = network[(label, case)] = Row(label, nbytes, case)
-            runtime_times(row, [slices[0], slices[CROSS]], reps, raw.setdefault(label, []))
+            samples = raw.setdefault(label, [])
+            raw_probe(nbytes)  # warm: the landing buffer there
+            runtime_times(row, [slices[0], slices[CROSS]], reps,
+                          lambda out=samples, n=nbytes: out.append(raw_probe(n)))
             if case == "P(x)->P(x)":
                 ray_times(row, actors, reps)
                 same[(label, case)] = Row(label, nbytes, case)

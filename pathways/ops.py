@@ -281,12 +281,7 @@ class Send(Op):
                                 f"({limits.islands} islands)")
         if not template.n_inputs <= self.key < template.n_values:
             raise ProgramError(f"op send: receive slot {self.key} is not a value of this call")
-        if len(self.routes) > limits.hosts * limits.hosts:
-            raise ProgramError(f"op send: {len(self.routes)} routes between {limits.hosts}-host islands")
-        for r in self.routes:
-            if not (0 <= r.host < limits.hosts and 0 <= r.to < limits.hosts) or len(r.shards) > MAX_SHARDS:
-                raise ProgramError(f"op send: route host {r.host} -> host {r.to} with {len(r.shards)} shards does "
-                                   f"not fit {limits.hosts}-host islands")
+        check_routes(self.routes, limits, "op send", min_shards=0)
 
 
 @dataclass(frozen=True)
@@ -337,12 +332,8 @@ class Recv(Op):
         if not 0 <= self.src < limits.islands:
             raise ResourceError(f"{what}: source island {self.src} is not an island of this cluster "
                                 f"({limits.islands} islands)")
-        if len(self.routes) > limits.hosts * limits.hosts:
-            raise ProgramError(f"{what}: {len(self.routes)} routes between {limits.hosts}-host islands")
+        check_routes(self.routes, limits, what, min_shards=1)
         for r in self.routes:
-            if not (0 <= r.host < limits.hosts and 0 <= r.to < limits.hosts and 1 <= len(r.shards) <= MAX_SHARDS):
-                raise ProgramError(f"{what}: route host {r.host} -> host {r.to} with {len(r.shards)} shards does not "
-                                   f"fit {limits.hosts}-host islands")
             for shard in r.shards:
                 if len(shard) != len(self.aval.shape) or any(b > n for (_, b), n in zip(shard, self.aval.shape)):
                     raise ProgramError(f"{what}: shard {shard} is not a region of an array of shape {self.aval.shape}")
@@ -370,6 +361,17 @@ class Reshard(Op):
     def check(self, template: Template, limits: Limits) -> None:
         """The slice is the fragment's and the spec names only its axes."""
         template.slice(self.slice, "op reshard").check_spec(self.spec, None, "op reshard")
+
+
+def check_routes(routes: Sequence[Route], limits: Limits, what: str, min_shards: int) -> None:
+    """ProgramError unless each route joins hosts that exist, with ``min_shards`` to MAX_SHARDS shards, and
+    there are no more routes than host pairs."""
+    if len(routes) > limits.hosts * limits.hosts:
+        raise ProgramError(f"{what}: {len(routes)} routes between {limits.hosts}-host islands")
+    for r in routes:
+        if not (0 <= r.host < limits.hosts and 0 <= r.to < limits.hosts and min_shards <= len(r.shards) <= MAX_SHARDS):
+            raise ProgramError(f"{what}: route host {r.host} -> host {r.to} with {len(r.shards)} shards does not "
+                               f"fit {limits.hosts}-host islands")
 
 
 def check_fits(aval: Aval, spec: WireSpec, desc: SliceDesc, limits: Limits, what: str) -> None:

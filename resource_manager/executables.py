@@ -31,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding
 from pathways.errors import ProgramError, ResourceError, WireFormatError
 from pathways.ops import Aval, Limits, SliceDesc, WireSpec, check_fits
 from pathways.sharding import spec_from_wire
-from resource_manager.memory import LARGE, available_bytes
+from resource_manager.memory import fits_now
 
 BLOB_BUDGET = 512 << 20  # serialized executables one tenant may keep on a host
 COMPILED_BUDGET = 2 << 30  # estimated bytes of compiled executables one tenant may keep on a host
@@ -121,7 +121,7 @@ class ExecutableCache:
         else:
             per_tenant.move_to_end(key)
             self.hits += 1
-        if entry.out_bytes >= LARGE and entry.out_bytes > available_bytes():
+        if not fits_now(entry.out_bytes):
             raise ResourceError(f"a run of this computation allocates {entry.out_bytes / 2**30:.3g} GiB on island "
                                 f"{self.limits.island}, more than the host has free now; try again later or "
                                 "use a smaller shape")

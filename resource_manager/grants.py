@@ -56,11 +56,6 @@ class Grants:
             raise TenantAccessError(REFUSED)
         return session
 
-    def clients_of(self, tenant: str) -> list[int]:
-        """The clients with an open session of ``tenant``."""
-        with self._lock:
-            return [c for c, s in self._sessions.items() if s.tenant == tenant]
-
     def grant(self, key: str, tenant: str, desc: SliceDesc) -> None:
         """``tenant`` holds slice ``key`` on the devices ``desc`` names."""
         with self._lock:

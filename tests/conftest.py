@@ -66,6 +66,16 @@ def unit_tests_start_no_ray(request, monkeypatch):
         "pytest.mark.cluster")
 
 
+@pytest.fixture
+def restored_environ():
+    """This process's environment as it was before the test: the CLI sets RAY_ADDRESS & co. in its own
+    process, and in-process tests of it must not leak them to later tests."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 @pytest.fixture(scope="session")
 def cluster():
     session = pw.init(topology=pw.Topology(islands=2, hosts_per_island=1, devices_per_host=4),

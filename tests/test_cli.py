@@ -25,7 +25,7 @@ import pytest
 
 from client import jobs
 
-pytestmark = pytest.mark.cluster
+pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("restored_environ")]  # the CLI sets RAY_ADDRESS & co.
 
 JOB_SCRIPT = textwrap.dedent("""
     import shutil, sys
@@ -62,16 +62,6 @@ JOB_API_DUMP = textwrap.dedent("""
     print(json.dumps(out, default=str))
 """)
 
-PRIVATE = ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "PATHWAYS_TENANT", "PATHWAYS_CREDENTIAL", "PATHWAYS_TICKET")
-
-
-@pytest.fixture(autouse=True)
-def _restore_environ():
-    """The CLI sets RAY_ADDRESS & co. in its own process; in-process tests must not leak them to others."""
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
 
 
 def free_port() -> int:
@@ -121,7 +111,7 @@ class Cli:
 
     def __init__(self, home: Path, workdir: Path) -> None:
         venv_bin = os.path.dirname(sys.executable)
-        self.env = {k: v for k, v in os.environ.items() if k not in PRIVATE}
+        self.env = {k: v for k, v in os.environ.items() if k not in jobs.PRIVATE_ENV}
         self.env["PATH"] = os.pathsep.join(p for p in self.env.get("PATH", "").split(os.pathsep)
                                            if p and os.path.abspath(p) != venv_bin) or "/usr/bin:/bin"
         self.env["PATHWAYS_HOME"] = str(home)

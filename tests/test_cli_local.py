@@ -14,16 +14,7 @@ import pytest
 
 from client import cli, jobs, tables
 
-PRIVATE = ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "PATHWAYS_TENANT", "PATHWAYS_CREDENTIAL", "PATHWAYS_TICKET")
-
-
-@pytest.fixture(autouse=True)
-def _restore_environ():
-    """The CLI sets RAY_ADDRESS & co. in its own process; in-process tests must not leak them to others."""
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
+pytestmark = pytest.mark.usefixtures("restored_environ")  # the CLI sets RAY_ADDRESS & co. in-process
 
 
 def mode(path: Path) -> int:
@@ -45,7 +36,7 @@ def mode(path: Path) -> int:
 ])
 def test_bad_input_is_one_line_error(args, words, capsys, monkeypatch, tmp_path):
     """Refused before anything touches Ray (so run in-process)."""
-    for name in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", *PRIVATE):
+    for name in jobs.PRIVATE_ENV:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("PATHWAYS_HOME", str(tmp_path))
     assert cli.main(args) == 1

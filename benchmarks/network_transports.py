@@ -141,7 +141,7 @@ def receiver(commands, replies, port: int, jax_addresses: dict) -> None:
     import numpy as np
     from jax.experimental import transfer
 
-    from resource_manager.buffer_pool import aligned_empty
+    from resource_manager.host.buffer_pool import aligned_empty
 
     client = jax.devices()[0].client
     own = transfer.start_transfer_server(client, "127.0.0.1:0", ["127.0.0.1:0"] * max(JAX_TRANSPORTS))

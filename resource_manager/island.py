@@ -17,7 +17,7 @@ from typing import Any
 import ray
 
 from pathways.topology import Topology
-from resource_manager.host import SCHEDULE, Host
+from resource_manager.host.actor import SCHEDULE, Host
 from resource_manager.nodes import IslandPlacement, alive_nodes, reserve, user_labels
 
 

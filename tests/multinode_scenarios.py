@@ -190,8 +190,8 @@ def network() -> dict:
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
 
-    from resource_manager.network.frames import ProtocolError
-    from resource_manager.network.links import connect
+    from resource_manager.host.transport.network.frames import ProtocolError
+    from resource_manager.host.transport.network.links import connect
 
     s0, s1 = pw.slice((4,), ("x",), island=0), pw.slice((4,), ("x",), island=1)
     a = np.random.default_rng(1).standard_normal((1024, 512)).astype(np.float32)  # 2 MiB

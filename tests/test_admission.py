@@ -10,9 +10,9 @@ import pytest
 import pathways as pw
 from pathways.messages import CLIENT_ID_BITS, Call, Free, Put
 from pathways.ops import Aval, Exec, Limits, SliceDesc, Template
-from resource_manager.admission import Admission
-from resource_manager.executables import ExecutableCache
-from resource_manager.grants import Grants
+from resource_manager.host.admission import Admission
+from resource_manager.host.executables import ExecutableCache
+from resource_manager.host.grants import Grants
 
 LIMITS = Limits(0, 2, 1, 4, 1 << 30, 1 << 30)
 DESC = SliceDesc("s1", (2,), ("x",), ((0, 0), (0, 1)))
@@ -95,7 +95,7 @@ def test_an_executable_budget_refuses_what_would_go_over_it():
     cache = ExecutableCache(LIMITS, blob_budget=10_000)
     blobs = [bytes(jax.export.export(jax.jit(lambda v, k=k: jnp.sin(v) * k))(
         jax.ShapeDtypeStruct((4,), np.float32)).serialize()) for k in range(1, 8)]
-    from resource_manager.executables import content_hash
+    from resource_manager.host.executables import content_hash
 
     with pytest.raises(pw.ResourceError, match="per-tenant budget"):
         for blob in blobs:

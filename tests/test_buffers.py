@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import pathways as pw
-from resource_manager.buffers import BufferTable, Failure
+from resource_manager.host.buffers import BufferTable, Failure
 
 
 def test_a_wait_returns_the_buffer_once_it_is_written():

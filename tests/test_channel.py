@@ -14,8 +14,8 @@ import time
 import numpy as np
 import pytest
 
-from resource_manager import channel as channel_module
-from resource_manager.channel import HEADER, MAX_DATA, MAX_MESSAGE, Channel
+from resource_manager.host.transport import channel as channel_module
+from resource_manager.host.transport.channel import HEADER, MAX_DATA, MAX_MESSAGE, Channel
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SO_PEERCRED is Linux only")
 

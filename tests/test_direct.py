@@ -13,10 +13,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import pathways as pw
-from resource_manager import direct
-from resource_manager.buffer_pool import BufferPool
-from resource_manager.direct import Lent
-from resource_manager.transfer import region
+from resource_manager.host.buffer_pool import BufferPool
+from resource_manager.host.transfer import region
+from resource_manager.host.transport import direct
+from resource_manager.host.transport.direct import Lent
 from tests.conftest import host_stats
 
 pytestmark = pytest.mark.skipif(direct._readv is None, reason="process_vm_readv is Linux only")

@@ -16,15 +16,15 @@ from client.slices import VirtualSlice
 from pathways.events import EventLog
 from pathways.messages import Deliver
 from pathways.ops import Aval, Exec, Limits, Recv, Route, SliceDesc, Template
-from resource_manager.buffer_pool import BufferPool
-from resource_manager.buffers import BufferTable, Failure
-from resource_manager.devices import LocalDevices
-from resource_manager.executables import ExecutableCache
-from resource_manager.executor import Executor, Report
-from resource_manager.handlers import Handlers
-from resource_manager.peers import Peers
-from resource_manager.receive import Receiver
-from resource_manager.run import Run
+from resource_manager.host.buffer_pool import BufferPool
+from resource_manager.host.buffers import BufferTable, Failure
+from resource_manager.host.devices import LocalDevices
+from resource_manager.host.executables import ExecutableCache
+from resource_manager.host.executor import Executor, Report
+from resource_manager.host.handlers import Handlers
+from resource_manager.host.receive import Receiver
+from resource_manager.host.run import Run
+from resource_manager.host.transport.peers import Peers
 
 DESC = SliceDesc("s1", (2,), ("x",), ((0, 0), (0, 1)))
 LIMITS = Limits(0, 2, 1, 4, 1 << 32, 1 << 32)
@@ -198,7 +198,7 @@ def test_pieces_for_a_receive_that_already_finished_go_straight_back():
     host.run(Template("recv", 0, 2, {"s1": DESC}, (recv,)), base=1000)
     with pytest.raises(pw.IslandFailedError, match="waited"):
         host.fetch(1001)
-    from resource_manager.direct import Lent
+    from resource_manager.host.transport.direct import Lent
     late = Lent(12345, 4096, ((0, 4),), (1, 0), 7, "")
     with host.cond:
         host.receiver.deliver(Deliver(1001, 1, 0, (((0, 4),),)), (late,), (1, 0))

@@ -191,7 +191,7 @@ def test_a_stream_gap_that_never_fills_holds_back_only_its_own_client(cluster):
 def test_a_connection_from_outside_the_runtime_is_refused_by_the_hosts_socket(cluster):
     import socket as sockets
 
-    from resource_manager.channel import HEADER
+    from resource_manager.host.transport.channel import HEADER
     path = cluster.host_info[1][0]["channel"] if "channel" in cluster.host_info[1][0] else None
     if not path:
         pytest.skip("no same-node channel on this platform")

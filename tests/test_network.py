@@ -19,14 +19,14 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from pathways.ops import Aval, Recv, Route
-from resource_manager.buffer_pool import BufferPool
-from resource_manager.network import frames
-from resource_manager.network.frames import Chunk, ProtocolError
-from resource_manager.network.links import Links, NetworkError, connect
-from resource_manager.network.path import NetworkConfig, landing_alloc
-from resource_manager.network.receives import Expected, Receives, expected_from_op
-from resource_manager.network.server import DataServer, recv_bytes
-from resource_manager.transfer import Landed, Landing, assemble, index_of
+from resource_manager.host.buffer_pool import BufferPool
+from resource_manager.host.transfer import Landed, Landing, assemble, index_of
+from resource_manager.host.transport.network import frames
+from resource_manager.host.transport.network.frames import Chunk, ProtocolError
+from resource_manager.host.transport.network.links import Links, NetworkError, connect
+from resource_manager.host.transport.network.path import NetworkConfig, landing_alloc
+from resource_manager.host.transport.network.receives import Expected, Receives, expected_from_op
+from resource_manager.host.transport.network.server import DataServer, recv_bytes
 
 SECRET = b"s" * 32
 SENDER, RECEIVER = (0, 0), (1, 0)

@@ -13,13 +13,13 @@ import pytest
 import pathways as pw
 from pathways.messages import Deliver
 from pathways.ops import Aval, Recv, Route, SliceDesc
-from resource_manager.buffer_pool import BufferPool
-from resource_manager.buffers import BufferTable, Failure
-from resource_manager.devices import LocalDevices
-from resource_manager.direct import Lent
-from resource_manager.peers import Peers
-from resource_manager.receive import Receiver
-from resource_manager.transfer import Landing
+from resource_manager.host.buffer_pool import BufferPool
+from resource_manager.host.buffers import BufferTable, Failure
+from resource_manager.host.devices import LocalDevices
+from resource_manager.host.receive import Receiver
+from resource_manager.host.transfer import Landing
+from resource_manager.host.transport.direct import Lent
+from resource_manager.host.transport.peers import Peers
 
 TENANT = "t"
 DESC = SliceDesc("s", (2,), ("x",), ((0, 0), (0, 1)))

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from pathways.messages import CLIENT_ID_BITS, Call
-from resource_manager.admission import Admitted
-from resource_manager.buffers import Failure
-from resource_manager.scheduler import Resume, Scheduler
+from resource_manager.host.admission import Admitted
+from resource_manager.host.buffers import Failure
+from resource_manager.host.scheduler import Resume, Scheduler
 
 
 def admitted(client: int, tenant: str, k: int) -> Admitted:

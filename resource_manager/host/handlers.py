@@ -24,14 +24,14 @@ from pathways.events import EventLog
 from pathways.messages import Deliver
 from pathways.ops import Exec, Op, Recv, Reshard, Route, Send, SliceDesc, Template
 from pathways.sharding import dtype_from_wire
-from resource_manager.buffer_pool import BufferPool
-from resource_manager.buffers import BufferTable, Entry, Failure
-from resource_manager.devices import LocalDevices
-from resource_manager.executables import ExecutableCache
-from resource_manager.peers import Peers
-from resource_manager.receive import Receiver
-from resource_manager.run import Place, Run
-from resource_manager.transfer import Landing, assemble, local_pieces
+from resource_manager.host.buffer_pool import BufferPool
+from resource_manager.host.buffers import BufferTable, Entry, Failure
+from resource_manager.host.devices import LocalDevices
+from resource_manager.host.executables import ExecutableCache
+from resource_manager.host.receive import Receiver
+from resource_manager.host.run import Place, Run
+from resource_manager.host.transfer import Landing, assemble, local_pieces
+from resource_manager.host.transport.peers import Peers
 
 PREPARED = 1024  # templates whose host-local op facts are kept
 log = logging.getLogger(__name__)

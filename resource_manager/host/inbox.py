@@ -18,12 +18,12 @@ import time
 from pathways.errors import PathwaysError, to_wire
 from pathways.messages import CLIENT_ID_BITS, Call, Free, Put, decode_request
 from pathways.ops import TemplateCache
-from resource_manager.admission import Admitted
-from resource_manager.buffers import BufferTable, Failure
-from resource_manager.executables import ExecutableCache
-from resource_manager.executor import Executor
-from resource_manager.run import Place, PutValue, Run
-from resource_manager.scheduler import Item, Resume
+from resource_manager.host.admission import Admitted
+from resource_manager.host.buffers import BufferTable, Failure
+from resource_manager.host.executables import ExecutableCache
+from resource_manager.host.executor import Executor
+from resource_manager.host.run import Place, PutValue, Run
+from resource_manager.host.scheduler import Item, Resume
 
 log = logging.getLogger(__name__)
 

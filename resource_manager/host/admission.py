@@ -28,9 +28,9 @@ import ray
 from pathways.errors import PathwaysError, ProgramError, TenantAccessError, WireFormatError, to_wire
 from pathways.messages import Call, Free, Put, Request, client_of, decode_request
 from pathways.ops import Exec, Limits, Template, TemplateCache, check_fits, declared_values
-from resource_manager.buffers import Failure
-from resource_manager.executables import ExecutableCache
-from resource_manager.grants import Grants
+from resource_manager.host.buffers import Failure
+from resource_manager.host.executables import ExecutableCache
+from resource_manager.host.grants import Grants
 
 MAX_BATCH = 1 << 16
 log = logging.getLogger(__name__)

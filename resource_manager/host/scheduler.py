@@ -1,7 +1,7 @@
 """An island's scheduler: one total order over every client's admitted messages, the same for every host.
 
 It lives in the island's host 0 (``resource_manager.host``), after admission
-(``resource_manager.admission``), which has put each client's messages back in
+(``resource_manager.host.admission``), which has put each client's messages back in
 order and checked them. Messages wait in one queue per tenant. Up to
 ``window`` fragments, and about ``window_s`` seconds of estimated island time,
 are in flight on the island; the next one comes from the tenant with the
@@ -30,7 +30,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from resource_manager.admission import Admitted
+from resource_manager.host.admission import Admitted
 
 FIRST_ESTIMATE_S = 1e-3
 RECENT_S = 10.0  # the window of the "recent" share that status shows while jobs run

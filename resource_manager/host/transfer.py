@@ -23,8 +23,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from pathways.sharding import Index, intersection
-from resource_manager.buffer_pool import aligned_empty
-from resource_manager.direct import Lent, copy_into
+from resource_manager.host.buffer_pool import aligned_empty
+from resource_manager.host.transport.direct import Lent, copy_into
 
 Alloc = Callable[[Sequence[int], np.dtype], np.ndarray]
 

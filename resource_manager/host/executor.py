@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from pathways.errors import to_wire
 from pathways.events import EventLog
 from pathways.ops import Op, Recv, Send
-from resource_manager.buffers import BufferTable, Failure
-from resource_manager.handlers import Failed, Handlers
-from resource_manager.receive import Receiver
-from resource_manager.run import Run
+from resource_manager.host.buffers import BufferTable, Failure
+from resource_manager.host.handlers import Failed, Handlers
+from resource_manager.host.receive import Receiver
+from resource_manager.host.run import Run
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ copies them out of this process, whose pid it takes from the socket, not from
 the frame). Other peers get a Ray actor call with the shards attached, through
 the object store, signed with the runtime key so that no other process can
 deliver in a host's name; a peer on another node gets its shards over the
-network path (``resource_manager.network``) when both run it.
+network path (``resource_manager.host.transport.network``) when both run it.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import numpy as np
 
 from pathways import auth, wire
 from pathways.messages import Deliver, Lending
-from resource_manager.channel import Channel
-from resource_manager.direct import PROBE, Lent, _readv
-from resource_manager.network.path import NetworkPath
+from resource_manager.host.transport.channel import Channel
+from resource_manager.host.transport.direct import PROBE, Lent, _readv
+from resource_manager.host.transport.network.path import NetworkPath
 
 MIN_BYTES = 100 * 1024  # below this a same-node peer gets the shards inside the frame: cheaper than a lease
 log = logging.getLogger(__name__)

@@ -27,9 +27,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from pathways.sharding import Index
-from resource_manager.network import frames
-from resource_manager.network.frames import Identity, ProtocolError
-from resource_manager.network.server import keepalive, recv_bytes
+from resource_manager.host.transport.network import frames
+from resource_manager.host.transport.network.frames import Identity, ProtocolError
+from resource_manager.host.transport.network.server import keepalive, recv_bytes
 
 CONNECT_TIMEOUT_S = 5.0  # a peer behind a firewall that drops packets fails over to Ray this fast
 

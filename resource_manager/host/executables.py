@@ -31,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding
 from pathways.errors import ProgramError, ResourceError, WireFormatError
 from pathways.ops import Aval, Limits, SliceDesc, WireSpec, check_fits
 from pathways.sharding import spec_from_wire
-from resource_manager.memory import fits_now
+from resource_manager.host.memory import fits_now
 
 BLOB_BUDGET = 512 << 20  # serialized executables one tenant may keep on a host
 COMPILED_BUDGET = 2 << 30  # estimated bytes of compiled executables one tenant may keep on a host

@@ -25,7 +25,7 @@ import numpy as np
 
 from pathways.ops import Recv
 from pathways.sharding import Index, dtype_from_wire
-from resource_manager.network.frames import Identity
+from resource_manager.host.transport.network.frames import Identity
 
 log = logging.getLogger(__name__)
 

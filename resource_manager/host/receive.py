@@ -31,11 +31,11 @@ import numpy as np
 from pathways.errors import IslandFailedError
 from pathways.messages import Deliver
 from pathways.ops import MAX_SHARDS, Expect, Recv, Region
-from resource_manager.buffer_pool import BufferPool
-from resource_manager.buffers import BufferTable, Failure
-from resource_manager.direct import Lent
-from resource_manager.peers import Peers
-from resource_manager.transfer import Landing, assemble
+from resource_manager.host.buffer_pool import BufferPool
+from resource_manager.host.buffers import BufferTable, Failure
+from resource_manager.host.transfer import Landing, assemble
+from resource_manager.host.transport.direct import Lent
+from resource_manager.host.transport.peers import Peers
 
 Sender = tuple[int, int]  # (island, host)
 MAX_MAILBOXES = 1 << 16

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from pathways.sharding import Index
-from resource_manager.network import frames
-from resource_manager.network.frames import Header, Identity, ProtocolError
-from resource_manager.network.receives import LATER, OK, Receives
+from resource_manager.host.transport.network import frames
+from resource_manager.host.transport.network.frames import Header, Identity, ProtocolError
+from resource_manager.host.transport.network.receives import LATER, OK, Receives
 
 log = logging.getLogger(__name__)
 

@@ -32,10 +32,10 @@ from pathways.events import EventLog, for_tenant
 from pathways.messages import CONTROL, Deliver, Fetch, Free, client_of
 from pathways.names import FETCH_TIMED_OUT
 from pathways.ops import Limits, SliceDesc, TemplateCache
-from resource_manager.admission import Admission, Admitted
-from resource_manager.buffers import BufferTable, Failure
-from resource_manager.grants import Grants
-from resource_manager.scheduler import Released, Resume, Scheduler
+from resource_manager.host.admission import Admission, Admitted
+from resource_manager.host.buffers import BufferTable, Failure
+from resource_manager.host.grants import Grants
+from resource_manager.host.scheduler import Released, Resume, Scheduler
 
 RUNTIME_ONLY = "refused: this method is for the runtime's own actors"
 SCHEDULE = "schedule"  # the concurrency group of the scheduler's methods: one thread of their own
@@ -98,18 +98,18 @@ class Host:
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
             jax.distributed.initialize(coordinator, num_processes=self.n_hosts, process_id=self.index,
                                        initialization_timeout=120)
-        from resource_manager.buffer_pool import BufferPool
-        from resource_manager.channel import open_channel
-        from resource_manager.devices import LocalDevices
-        from resource_manager.executables import ExecutableCache
-        from resource_manager.executor import Executor
-        from resource_manager.handlers import Handlers
-        from resource_manager.inbox import Inbox
-        from resource_manager.memory import host_budget
-        from resource_manager.metrics import HostMetrics
-        from resource_manager.network.path import landing_alloc, open_network_path
-        from resource_manager.peers import Peers
-        from resource_manager.receive import Receiver
+        from resource_manager.host.buffer_pool import BufferPool
+        from resource_manager.host.devices import LocalDevices
+        from resource_manager.host.executables import ExecutableCache
+        from resource_manager.host.executor import Executor
+        from resource_manager.host.handlers import Handlers
+        from resource_manager.host.inbox import Inbox
+        from resource_manager.host.memory import host_budget
+        from resource_manager.host.metrics import HostMetrics
+        from resource_manager.host.receive import Receiver
+        from resource_manager.host.transport.channel import open_channel
+        from resource_manager.host.transport.network.path import landing_alloc, open_network_path
+        from resource_manager.host.transport.peers import Peers
 
         self._key = runtime_key
         self.devices = LocalDevices(self.index)
@@ -182,7 +182,7 @@ class Host:
         elif kind == "release_tenant":
             self.table.free_tenant(msg["tenant"])
         elif kind == "peers":
-            from resource_manager.peers import PeerInfo
+            from resource_manager.host.transport.peers import PeerInfo
 
             infos = [PeerInfo(h["island"], h["host"], h["node"], h["pid"], h["channel"], h["data"], handle)
                      for h, handle in zip(msg["hosts"], handles or [])]
@@ -309,7 +309,7 @@ class Host:
     def _on_frame(self, meta: bytes, data: memoryview, pid: int) -> None:
         """A frame from a runtime host on this node (its pid from the socket): shards lent or carried in
         ``data``, or leases coming back."""
-        from resource_manager.direct import Lent
+        from resource_manager.host.transport.direct import Lent
 
         peer = self.peers.on_this_node(pid)
         if peer is None:
@@ -349,7 +349,7 @@ class Host:
     def probe_direct(self, mac: bytes, node: str, pid: int, addr: int, expected: bytes) -> str:
         """This host's channel address if it can copy lent shards out of runtime host ``pid`` (same node, and
         the kernel permits it), else ""."""
-        from resource_manager.direct import can_read
+        from resource_manager.host.transport.direct import can_read
 
         self._runtime(mac, "probe", node, pid, addr)
         ok = (self.channel is not None and node == self.node and self.peers.on_this_node(pid) is not None
@@ -379,7 +379,7 @@ class Host:
             return None
         if value.is_fully_addressable:
             return np.asarray(value)
-        from resource_manager.transfer import local_pieces
+        from resource_manager.host.transfer import local_pieces
 
         return {tuple(map(tuple, idx)): np.asarray(data) for idx, data in local_pieces(value).items()}
 

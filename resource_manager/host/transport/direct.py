@@ -15,7 +15,7 @@ A route uses this path only after a probe showed that the receiver runs on the
 same Ray node and may read this process (the kernel's ptrace rules allow it:
 same user, and Yama's ptrace_scope 0); otherwise shards go through the object
 store. Hosts never widen those rules for themselves: the receiver reads only
-the process at the other end of its authenticated socket (``resource_manager.peers``).
+the process at the other end of its authenticated socket (``resource_manager.host.transport.peers``).
 """
 
 from __future__ import annotations

@@ -9,5 +9,5 @@ one plain TCP connection between the same hosts (``benchmarks/network_transports
 * ``server``: each host's data server, which authenticates peers and lands chunks in its buffer pool;
 * ``receives``: which receives the lowered plan names for which sender, checked before data is accepted;
 * ``links``: the sending side, a pool of connections per peer over which chunks stream in parallel;
-* ``path``: the host's network path, tying the three together behind what ``resource_manager.peers`` calls.
+* ``path``: the host's network path, tying the three together behind what ``transport.peers`` calls.
 """

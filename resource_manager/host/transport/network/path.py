@@ -26,10 +26,10 @@ import numpy as np
 
 from pathways.ops import Recv
 from pathways.sharding import Index
-from resource_manager.network.frames import Identity
-from resource_manager.network.links import Links, NetworkError
-from resource_manager.network.receives import Deliver, Receives, expected_from_op
-from resource_manager.network.server import Alloc, DataServer
+from resource_manager.host.transport.network.frames import Identity
+from resource_manager.host.transport.network.links import Links, NetworkError
+from resource_manager.host.transport.network.receives import Deliver, Receives, expected_from_op
+from resource_manager.host.transport.network.server import Alloc, DataServer
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +221,7 @@ def open_network_path(identity: Identity, node: str, ip: str, secret: bytes | No
 
 def landing_alloc(take: Callable[[Sequence[int], np.dtype], np.ndarray]) -> Alloc:
     """Landing buffers from the host's pool, marked so a piece that is one device's region is adopted as is."""
-    from resource_manager.transfer import Landed
+    from resource_manager.host.transfer import Landed
 
     def alloc(shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
         return take(shape, dtype).view(Landed)

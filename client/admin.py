@@ -1,13 +1,12 @@
-"""The cluster admin's operations: tenants, their weights, quotas and credentials; islands; reclaiming.
+"""The cluster admin's operations: tenants, their weights, quotas, budgets and credentials; islands; reclaiming.
 
-Every operation carries the admin credential, which the resource manager
-checks against the digest it holds. ``pathways up`` writes that credential to
-``$PATHWAYS_HOME/admin.token`` (readable by its owner only); a client that
-started its own embedded cluster holds it in memory (``pw.admin()``).
+Every operation carries the admin credential, which the resource manager checks against the digest it holds.
+``pathways up`` writes that credential to ``$PATHWAYS_HOME/admin.token`` (readable by its owner only); a client
+that started its own embedded cluster holds it in memory (``pw.admin()``).
 
     admin = pw.admin()
     credential = admin.add_tenant("alice", weight=2, quota=4)   # shown once: hand it to alice
-    admin.set_tenant("alice", weight=3)
+    admin.set_tenant("alice", weight=3, budgets={"host_bytes": 2 << 30})
     print(admin.tenants())
 """
 
@@ -15,40 +14,49 @@ from __future__ import annotations
 
 from typing import Any
 
-import ray
+from client.link import Link, expect_role
+from client.runtime import home
+from pathways.errors import TenantAccessError
+from pathways.requests import AdminOp
 
-from client.jobs import ADMIN_FILE
-from pathways import wire
-from pathways.errors import TenantAccessError, from_wire
-
+ADMIN_FILE = "admin.token"
 _KEEP = object()
 
 
 class Admin:
-    """The admin's view of one runtime (``rm``: the resource manager's handle)."""
+    """The admin's view of one runtime, over ``link`` (a connection to its resource manager)."""
 
-    def __init__(self, rm: Any, credential: str, timeout: float = 60.0) -> None:
-        self._rm, self._credential, self._timeout = rm, credential, timeout
+    def __init__(self, link: Link, credential: str, timeout: float = 60.0) -> None:
+        self._link, self._credential, self._timeout = link, credential, timeout
+
+    @classmethod
+    def connect(cls, address: str, credential: str, timeout: float = 60.0) -> Admin:
+        """The admin operations of the runtime at ``address`` (over a connection of their own)."""
+        return cls(Link(address, 0, None, expect_role(None, "rm"), "the resource manager"), credential, timeout)
+
+    def close(self) -> None:
+        """Close the connection (only one this object made)."""
+        self._link.close()
 
     def _call(self, op: str, **args: Any) -> Any:
-        payload = wire.encode("admin", {"credential": self._credential, "op": op, "args": args})
-        msg = wire.decode(ray.get(self._rm.admin.remote(payload), timeout=self._timeout), "reply")
-        if not msg["ok"]:
-            raise from_wire(*msg["value"])
-        return msg["value"]
+        return self._link.call(lambda rid: AdminOp(rid, self._credential, op, args), self._timeout)
 
     def tenants(self) -> list[dict]:
-        """Every registered tenant: name, weight, quota, clients now, devices held now."""
+        """Every registered tenant: name, weight, quota, budgets, clients now, devices held now."""
         return self._call("tenants")
 
-    def add_tenant(self, name: str, weight: float = 1.0, quota: int | None = None) -> str:
-        """Register a tenant; returns its credential (the only time it is shown)."""
-        return self._call("tenant_add", name=name, weight=weight, quota=quota)["credential"]
+    def add_tenant(self, name: str, weight: float = 1.0, quota: int | None = None,
+                   budgets: dict[str, int] | None = None) -> str:
+        """Register a tenant; returns its credential (the only time it is shown). ``budgets`` overrides some of
+        the default per-tenant budgets (``pathways.budgets.Budgets``)."""
+        return self._call("tenant_add", name=name, weight=weight, quota=quota, budgets=budgets or {})["credential"]
 
-    def set_tenant(self, name: str, weight: float | None = None, quota: Any = _KEEP,
-                   new_credential: bool = False) -> str | None:
-        """Change a tenant's weight, device quota (None: no limit) or credential (returns the new one)."""
-        args: dict[str, Any] = {"name": name, "weight": weight, "new_credential": new_credential}
+    def set_tenant(self, name: str, weight: float | None = None, quota: Any = _KEEP, new_credential: bool = False,
+                   budgets: dict[str, int] | None = None) -> str | None:
+        """Change a tenant's weight, device quota (None: no limit), budgets, or credential (returns the new one;
+        the old one, its sessions and its jobs' unused tickets stop working at once)."""
+        args: dict[str, Any] = {"name": name, "weight": weight, "new_credential": new_credential,
+                                "budgets": budgets or {}}
         if quota is not _KEEP:
             args["quota"] = quota
         return self._call("tenant_set", **args)["credential"]
@@ -73,6 +81,10 @@ class Admin:
         """Each healthy island's scheduler counters, every tenant's island time by name."""
         return self._call("schedule")
 
+    def host_stats(self) -> list[list[dict | None]]:
+        """Every host's counters, by island (None for a host that did not answer)."""
+        return self._call("host_stats")
+
     def usage(self) -> dict[int, dict[str, tuple[int, int]]]:
         """Buffers and bytes each tenant holds on each island, counted now."""
         return {int(i): {t: tuple(v) for t, v in c.items()} for i, c in self._call("usage").items()}
@@ -81,15 +93,6 @@ class Admin:
         """Seconds to push ``nbytes`` raw bytes from host ``src`` to host ``dst`` (each (island, host)) over one
         plain connection of the network path: the bare link, for benchmarks."""
         return self._call("probe_network", src=list(src), dst=list(dst), nbytes=nbytes)
-
-    def hosts(self) -> list[list[Any]]:
-        """Every island's host actor handles (to read their counters)."""
-        payload = wire.encode("admin", {"credential": self._credential, "op": "hosts", "args": {}})
-        raw, handles = ray.get(self._rm.admin_hosts.remote(payload), timeout=self._timeout)
-        msg = wire.decode(raw, "reply")
-        if not msg["ok"]:
-            raise from_wire(*msg["value"])
-        return handles
 
 
 def admin(credential: str | None = None) -> Admin:
@@ -108,7 +111,7 @@ def admin(credential: str | None = None) -> Admin:
         TenantAccessError: no credential was given or found.
         PathwaysError: ``pw.init`` was not called.
     """
-    from client.session import current, home
+    from client.session import current
 
     session = current()
     credential = credential or session.admin_credential or _read(home() / ADMIN_FILE)
@@ -123,4 +126,3 @@ def _read(path: Any) -> str | None:
         return path.read_text().strip() or None
     except OSError:
         return None
-

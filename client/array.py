@@ -13,7 +13,6 @@ from typing import Any
 
 import jax
 import numpy as np
-import ray
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -21,8 +20,10 @@ from client.host_values import HostData, KeyInfo, as_host_data, broadcast_specs,
 from client.session import Session, current
 from client.slices import VirtualSlice
 from pathways.errors import IslandFailedError, PathwaysError, ProgramError
-from pathways.messages import Fetch, Put
+from pathways.messages import Put
 from pathways.ops import Aval, SliceDesc, spec_of
+from pathways.protocol.connection import Connection
+from pathways.requests import Fetch, PutData
 from pathways.sharding import check_spec, device_indices, spec_to_wire
 
 
@@ -111,16 +112,15 @@ class Array:
     def _send_fetch(self, timeout: float | None, ready_only: bool) -> tuple[list, float]:
         s = self._session
         t = s.timeouts.fetch if timeout is None else float(timeout)
-        payload = Fetch(self.id, t, ready_only).encode()
-        mac = s.sign("fetch", payload)
-        return [h.fetch.remote(s.client_id, payload, mac) for h in s.hosts_of(self.slice.island, self.slice.hosts)], t
+        sink = None if ready_only else pieces_sink(*self.physical)
+        return [s.ask(self.slice.island, h, lambda rid: Fetch(rid, self.id, t, ready_only), sink)
+                for h in self.slice.hosts], t
 
-    def _wait(self, refs: list, t: float) -> list:
-        s = self._session
+    def _wait(self, futures: list, t: float) -> list:
         what = f"fetching {dtype_name(self.dtype)}{list(self.shape)} (buffer {self.id}) from island {self.slice.island}"
-        # The hosts wait at most ``t`` for the buffer and then answer; the reply itself needs a round trip more,
+        # The hosts wait at most ``t`` for the buffer and then answer; the answer itself needs a round trip more,
         # so a value that is already there comes back even with timeout=0.
-        return s.wait(refs, self.islands, t, what)
+        return self._session.wait(futures, self.islands, t, what)
 
     def copy_to_host_async(self) -> None:
         """Start fetching the value without waiting (``jax.device_get`` calls this on every leaf first, so a
@@ -140,14 +140,7 @@ class Array:
             else:
                 refs, t = self._send_fetch(timeout, ready_only=False)
             parts = self._wait(refs, t)
-            if isinstance(parts[0], np.ndarray):
-                data = parts[0]
-            else:
-                shape, dtype = self.physical
-                data = np.empty(shape, dtype)
-                for part in parts:
-                    for index, piece in part.items():
-                        data[tuple(np.s_[a:b] for a, b in index)] = piece
+            data = assemble(self.physical, [piece for part in parts for piece in part])
             if self._key is not None:
                 self._value = self._key.wrap(data)
             else:
@@ -278,20 +271,19 @@ def put(tree: Any, slice: VirtualSlice, specs: Any = None) -> Any:  # noqa: A002
 
 
 def put_host(session: Session, host: HostData, slice: VirtualSlice, spec: P, what: str) -> Array:  # noqa: A002
-    """Send one converted host value to ``slice``, sharded by ``spec``: each host receives only its shards."""
+    """Send one converted host value to ``slice``, sharded by ``spec``: each host receives only its own shards,
+    straight from this process, one piece per distinct device region (a device adopts its piece as is)."""
     check_spec(spec, host.shape, slice.shape, slice.axis_names, what)
     array = host.data
     buffer_id = session.mint()
-    per_host = len(slice.hosts) > 1
-    if not per_host:
-        refs = [ray.put(array)]
-    else:  # scatter: each host of the slice receives only the shards its devices hold
-        regions = owned_regions(array.shape, slice.desc(), spec)
-        refs = [ray.put({index: np.asarray(array[tuple(np.s_[a:b] for a, b in index)], order="C")
-                         for index in regions[h]}) for h in slice.hosts]
-    msg = Put(buffer_id, slice.desc(), spec_of(spec_to_wire(spec)), Aval(tuple(array.shape), array.dtype.name),
-              per_host)
-    session.submit(slice.island, msg.encode(), refs)
+    regions = owned_regions(array.shape, slice.desc(), spec)
+    for h in slice.hosts:
+        mine = sorted(regions[h])
+        datas = [np.ascontiguousarray(array[tuple(np.s_[a:b] for a, b in index)]) for index in mine]
+        upload = PutData(buffer_id, [[list(r) for r in index] for index in mine], array.dtype.name)
+        session.upload(slice.island, h, upload.encode(), datas)
+    msg = Put(buffer_id, slice.desc(), spec_of(spec_to_wire(spec)), Aval(tuple(array.shape), array.dtype.name))
+    session.submit(slice.island, msg.encode())
     return Array(session, buffer_id, host.shape, host.dtype, slice, spec, frozenset({slice.island}),
                  weak_type=host.weak_type, key=host.key)
 
@@ -309,3 +301,46 @@ def check_usable(value: Array, what: str) -> None:
     value._check_live(what)
     if value.slice.released:
         raise ProgramError(f"{value} lives on slice {value.slice.key}, which was released; its buffers are gone")
+
+
+Piece = tuple[tuple[tuple[int, int], ...], np.ndarray]
+
+
+def pieces_sink(shape: tuple[int, ...], dtype: np.dtype) -> Any:
+    """How a fetch's answer is read: the regions the host names, each read straight off the connection into an
+    array of its own (checked first against the array this handle stands for)."""
+
+    def sink(value: Any, conn: Connection, nbytes: int) -> list[Piece]:
+        if not isinstance(value, dict) or list(value.get("shape", ())) != list(shape) \
+                or value.get("dtype") != np.dtype(dtype).name:
+            raise PathwaysError(f"a host answered a fetch of {np.dtype(dtype).name}{list(shape)} with {value!r}")
+        regions = [tuple((int(a), int(b)) for a, b in r) for r in value["pieces"]]
+        sizes = [int(np.prod([b - a for a, b in r], dtype=np.int64)) * np.dtype(dtype).itemsize for r in regions]
+        if sum(sizes) != nbytes or any(not 0 <= a < b <= n for r in regions for (a, b), n in zip(r, shape)):
+            raise PathwaysError(f"a host's answer to a fetch names regions {regions} but carries {nbytes} bytes")
+        out = []
+        for region in regions:
+            piece = np.empty([b - a for a, b in region], dtype)
+            conn.read_into(memoryview(piece.reshape(-1).view(np.uint8)))
+            out.append((region, piece))
+        return out
+
+    return sink
+
+
+def assemble(physical: tuple[tuple[int, ...], np.dtype], pieces: list[Piece]) -> np.ndarray:
+    """The whole array from the pieces its hosts sent (one that covers it all is used as it is)."""
+    shape, dtype = physical
+    whole = tuple((0, n) for n in shape)
+    for region, piece in pieces:
+        if region == whole:
+            return piece
+    data = np.empty(shape, dtype)
+    covered = np.zeros(shape, bool) if pieces else None
+    for region, piece in pieces:
+        index = tuple(np.s_[a:b] for a, b in region)
+        data[index] = piece
+        covered[index] = True
+    if covered is None or not covered.all():
+        raise PathwaysError(f"the hosts' answers cover only part of a {dtype}{list(shape)} array")
+    return data

@@ -15,26 +15,24 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import ray
-
 from client.session import Session, current
+from pathways.requests import Ping, TraceStart, TraceStop
 
 CLIENT_PID = 1
 
 
-def clock_offsets(session: Session, rounds: int = 5) -> dict[tuple[int, int], float]:
+def clock_offsets(session: Session, hosts: list[tuple[int, int]], rounds: int = 5) -> dict[tuple[int, int], float]:
     """Seconds to subtract from each host's wall clock to put it on the client's (best of ``rounds``)."""
     offsets: dict[tuple[int, int], float] = {}
-    for island in session.islands:
-        for h, host in enumerate(island.hosts):
-            best = None
-            for _ in range(rounds):
-                t0 = time.time()
-                remote = ray.get(host.ping.remote(), timeout=session.timeouts.poll * 10)
-                t1 = time.time()
-                if best is None or t1 - t0 < best[0]:
-                    best = (t1 - t0, remote - (t0 + t1) / 2)
-            offsets[(island.index, h)] = best[1]
+    for island, h in hosts:
+        best = None
+        for _ in range(rounds):
+            t0 = time.time()
+            remote = session.ask(island, h, lambda rid: Ping(rid)).result(timeout=session.timeouts.poll * 10)
+            t1 = time.time()
+            if best is None or t1 - t0 < best[0]:
+                best = (t1 - t0, remote - (t0 + t1) / 2)
+        offsets[(island, h)] = best[1]
     return offsets
 
 
@@ -61,19 +59,18 @@ def trace(path: str | os.PathLike) -> Iterator[None]:
         path: where to write the Chrome trace (JSON), when the block ends (also when it raises).
     """
     session = current()
-    hosts = [(isl.index, h, host) for isl in session.islands if isl.index not in session.dead
-             for h, host in enumerate(isl.hosts)]
-    offsets = clock_offsets(session)
-    start_mac, stop_mac = session.sign("trace_start"), session.sign("trace_stop")
-    ray.get([host.trace_start.remote(session.client_id, start_mac) for _, _, host in hosts],
-            timeout=session.timeouts.poll * 10)
+    hosts = [(isl.index, h) for isl in session.islands if isl.index not in session.dead
+             for h in range(len(isl.hosts))]
+    offsets = clock_offsets(session, hosts)
+    session.wait([session.ask(i, h, lambda rid: TraceStart(rid)) for i, h in hosts],
+                 frozenset(i for i, _ in hosts), session.timeouts.poll * 10, "starting a trace")
     token = session.events.start()
     try:
         yield
     finally:
         client_events = session.events.stop(token)
-        recorded = ray.get([host.trace_stop.remote(session.client_id, stop_mac) for _, _, host in hosts],
-                           timeout=session.timeouts.fetch)
+        recorded = session.wait([session.ask(i, h, lambda rid: TraceStop(rid)) for i, h in hosts],
+                                frozenset(i for i, _ in hosts), session.timeouts.fetch, "collecting a trace")
         write_trace(path, session, hosts, recorded, client_events, offsets)
 
 
@@ -86,7 +83,7 @@ def write_trace(path: Any, session: Session, hosts: list, recorded: list, client
         {"name": "thread_name", "ph": "M", "pid": CLIENT_PID, "tid": 0, "args": {"name": "trace / lower / dispatch"}},
     ]
     events += chrome_events(client_events, CLIENT_PID, 0, 0.0)
-    for (island, h, _), raw in zip(hosts, recorded):
+    for (island, h), raw in zip(hosts, recorded):
         pid = 100 + island
         events.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"island {island}"}})
         events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": h, "args": {"name": f"host {h}"}})

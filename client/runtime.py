@@ -1,27 +1,28 @@
-"""Finding a Ray cluster and the pathways runtime on it, or starting them.
+"""Finding the runtime to attach to, or starting an embedded one.
 
-``pw.init()`` with no address starts an embedded local Ray instance, unless a
-live cluster's address is recorded on this machine. A recorded address whose
-cluster died without ``ray stop`` would make ``ray.init`` retry the dead GCS
-for minutes, so every address is checked first: a stale recorded one is
-ignored (with a log line) and an explicit one that does not answer fails in
-seconds, saying so.
+A client attaches to the runtime's address, ``pathways://HOST:PORT``: the one given to ``pw.init``, else
+``PATHWAYS_ADDRESS``, else the one saved by ``pathways login``, else the runtime ``pathways up`` started on this
+machine (``/tmp/pathways/current``, when something answers there). With none of these, ``pw.init()`` starts an
+embedded local cluster: a child process (``python -m resource_manager.launch embedded``) that starts Ray and
+the runtime, and lives exactly as long as this client (it stops when its stdin closes, which happens when this
+process ends for any reason). Either way the client attaches through the same protocol; this process never
+imports Ray.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import socket
-from dataclasses import dataclass
-from typing import Any
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
-import ray
-from ray.exceptions import GetTimeoutError, RayActorError
-
-from client.jobs import enable_token_auth
-from pathways import wire
 from pathways.errors import PathwaysError, ResourceError, from_wire
-from pathways.names import NAMESPACE, RAY_SYSTEM_CONFIG, RESOURCE_MANAGER
+from pathways.names import ADDRESS_ENV, CURRENT_FILE, HOME_ENV, LOGIN_FILE
+from pathways.protocol.address import parse_address
 from pathways.topology import Topology
 
 CONNECT_TIMEOUT_S = 3.0
@@ -37,8 +38,10 @@ class Timeouts:
         op: how long a host waits for an op's inputs (a transfer, a buffer) before failing the op.
         start: how long starting the cluster and the runtime may take.
         poll: how often a long wait checks that the islands it depends on are alive.
-        gap: how long an island waits for a client's message that never arrived (its sender died while
-            sending) before it skips it and runs the client's later messages; fixed when the runtime starts.
+        gap: how long an island waits for a client's message that never arrived before it skips it and runs the
+            client's later messages; fixed when the runtime starts.
+        grace: how long the runtime keeps a session whose client's connection is gone (it may come back) before
+            it reclaims everything the session held; fixed when the runtime starts.
     """
 
     fetch: float = 120.0
@@ -46,81 +49,135 @@ class Timeouts:
     start: float = 300.0
     poll: float = 1.0
     gap: float = 30.0
+    grace: float = 10.0
+
+
+def home() -> Path:
+    """Where the ``pathways`` command and ``pw.init`` keep state and credentials: ``$PATHWAYS_HOME``, default
+    ``~/.pathways``."""
+    return Path(os.environ.get(HOME_ENV) or Path.home() / ".pathways")
+
+
+@dataclass(frozen=True)
+class Login:
+    """What ``pathways login`` saved: a runtime's address, the tenant to act as there, and its credential."""
+
+    address: str
+    tenant: str
+    credential: str
+
+
+def login_path() -> Path:
+    """``$PATHWAYS_HOME/login.json``."""
+    return home() / LOGIN_FILE
+
+
+def load_login() -> Login | None:
+    """The saved login, or None; PathwaysError if the file is there but unreadable."""
+    path = login_path()
+    try:
+        return Login(**json.loads(path.read_text()))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, TypeError) as exc:
+        raise PathwaysError(f"{path} is unreadable ({exc}); run `pathways login` again") from None
+
+
+def save_login(login: Login) -> Path:
+    """Save ``login`` owner-only (file 0600, folder 0700), atomically."""
+    path = login_path()
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(asdict(login), f)
+    os.replace(tmp, path)
+    return path
 
 
 def reachable(address: str, timeout: float = CONNECT_TIMEOUT_S) -> bool:
-    """Whether something accepts TCP connections at ``host:port``."""
-    host, _, port = address.rpartition(":")
+    """Whether something accepts TCP connections at ``address``."""
     try:
-        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout):
+        host, port = parse_address(address)
+        with socket.create_connection((host, port), timeout=timeout):
             return True
-    except (OSError, ValueError):
+    except (OSError, PathwaysError):
         return False
 
 
-def connect(address: str | None) -> bool:
-    """Attach this process to the Ray cluster at ``address`` (or start an embedded one when None); returns
-    whether this process started it."""
-    if ray.is_initialized():
-        return False
-    if address:
-        if address != "auto" and not reachable(address):
-            raise PathwaysError(f"no Ray cluster answers at {address} (nothing accepts connections there within "
-                                f"{CONNECT_TIMEOUT_S:.0f}s); start one (`pathways up`) or fix the address")
-        enable_token_auth()  # before attaching: the GCS refuses a client without the token
-        ray.init(address=address, namespace=NAMESPACE, logging_level=logging.WARNING)
-        return False
-    from ray._private.utils import read_ray_address
-
-    recorded = read_ray_address()
-    if recorded and reachable(recorded):
-        enable_token_auth()  # before attaching: the GCS refuses a client without the token
-        ray.init(address=recorded, namespace=NAMESPACE, logging_level=logging.WARNING)
-        return False
-    if recorded:
-        log.warning("ignoring the Ray address recorded on this machine (%s): no cluster answers there; starting "
-                    "an embedded local cluster", recorded)
-    ray.init(address="local", namespace=NAMESPACE, include_dashboard=False, logging_level=logging.WARNING,
-             _system_config=RAY_SYSTEM_CONFIG)
-    return True
-
-
-def find_runtime() -> Any | None:
-    """The resource manager running on this Ray cluster, if any."""
+def machine_runtime() -> str | None:
+    """The address of the runtime ``pathways up`` started on this machine, if one answers there."""
     try:
-        return ray.get_actor(RESOURCE_MANAGER, namespace=NAMESPACE)
-    except ValueError:
+        address = Path(CURRENT_FILE).read_text().strip()
+    except OSError:
         return None
+    if address and reachable(address, 1.0):
+        return address
+    if address:
+        log.info("ignoring %s (%s): nothing answers there", CURRENT_FILE, address)
+    return None
 
 
-def start_runtime(topology: Topology, timeouts: Timeouts, admin_digest: str | None,
-                  registry_path: str | None = None, implicit: dict | None = None,
-                  default_quota: int | None = None) -> Any:
-    """The resource manager (a detached actor that starts and owns the islands), created unless one runs
-    already; ResourceError if the running one has another topology."""
-    from resource_manager.manager import ResourceManager
-
-    rm = ray.remote(ResourceManager).options(
-        name=RESOURCE_MANAGER, namespace=NAMESPACE, lifetime="detached", get_if_exists=True, num_cpus=0,
-        max_concurrency=4, resources={"node:__internal_head__": 0.001},  # the head outlives worker nodes
-    ).remote(topology.to_wire(), timeouts.op, timeouts.gap, timeouts.start, admin_digest, registry_path, implicit,
-             default_quota)
-    running = Topology.from_wire(ready(rm, timeouts.start)["topology"])
-    if running != topology:
-        raise ResourceError(f"the cluster already runs {running}; you asked for {topology}. "
-                            "Call pw.init() without a topology to attach, or start a new cluster")
-    return rm
+def find_address(address: str | None) -> tuple[str | None, str]:
+    """The runtime to attach to and where its address came from; (None, "") when there is none to attach to."""
+    if address:
+        return address, "pw.init(address=...)"
+    if os.environ.get(ADDRESS_ENV):
+        return os.environ[ADDRESS_ENV], ADDRESS_ENV
+    saved = load_login()
+    if saved is not None:
+        return saved.address, str(login_path())
+    running = machine_runtime()
+    if running is not None:
+        return running, f"{CURRENT_FILE} (`pathways up` on this machine)"
+    return None, ""
 
 
-def ready(rm: Any, timeout: float) -> dict:
-    """The running resource manager's reply to ``ready`` (its topology), waiting at most ``timeout`` seconds."""
-    try:
-        raw = ray.get(rm.ready.remote(), timeout=timeout)
-    except GetTimeoutError:
-        raise PathwaysError(f"the pathways runtime did not start within {timeout:.0f}s") from None
-    except RayActorError as exc:
-        raise ResourceError(f"the pathways runtime could not start: {exc}") from None
-    msg = wire.decode(raw, "reply")
-    if not msg["ok"]:
-        raise from_wire(*msg["value"])
-    return msg["value"]
+class Embedded:
+    """An embedded local cluster: Ray and the runtime in a child process that lives as long as this client.
+
+    The child reads its options (secrets included) from stdin, answers with the runtime's address, then waits
+    for stdin to close; when this process ends, however it ends, the pipe closes and the child stops Ray."""
+
+    def __init__(self, topology: Topology, timeouts: Timeouts, admin_credential: str, tenant: str,
+                 credential: str, default_quota: int | None) -> None:
+        options = {"topology": topology.to_wire(), "op_timeout": timeouts.op, "gap_timeout": timeouts.gap,
+                   "start_timeout": timeouts.start, "grace": timeouts.grace, "admin_credential": admin_credential,
+                   "tenant": tenant, "credential": credential, "default_quota": default_quota}
+        env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", ADDRESS_ENV)}
+        self.proc = subprocess.Popen([sys.executable, "-m", "resource_manager.launch", "embedded"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
+        self.proc.stdin.write(json.dumps(options) + "\n")
+        self.proc.stdin.flush()
+        line = _read_line(self.proc, timeouts.start)
+        answer = json.loads(line) if line else {"error": "the embedded cluster exited before it started "
+                                                "(its output above says why)", "kind": "ResourceError"}
+        if "error" in answer:
+            self.stop()
+            raise from_wire(answer.get("kind", "ResourceError"), answer["error"])
+        self.address: str = answer["address"]
+        self.runtime: str = answer["runtime"]
+        self.ray_address: str = answer["ray_address"]  # for operators' tools; clients never use it
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the embedded cluster: close its stdin and wait for it to take Ray down."""
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+
+
+def _read_line(proc: subprocess.Popen, timeout: float) -> str:
+    import selectors
+
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        if not sel.select(timeout):
+            proc.kill()
+            raise ResourceError(f"the embedded cluster did not start within {timeout:.0f}s")
+    return proc.stdout.readline().strip()

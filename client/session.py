@@ -1,9 +1,9 @@
-"""The client session: the connection to the cluster, the tenant it proved, and the ids this client mints.
+"""The client session: the connection to the runtime, the tenant it proved, and the ids this client mints.
 
-``pw.init`` makes one per process (like ``ray.init``); every other call finds
-it with ``current()``. Its options are fixed at init: there is no global
-configuration to mutate. The session's key (from the resource manager) signs
-every message this client sends, so no other process can speak for it.
+``pw.init`` makes one per process; every other call finds it with ``current()``. The session talks to the
+runtime only through its protocol (``client.link``): one connection to the resource manager, which opened the
+session and stands for this client being alive, and one to each island host it uses. Its options are fixed at
+init: there is no global configuration to mutate.
 """
 
 from __future__ import annotations
@@ -14,26 +14,24 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-from client.jobs import CREDENTIAL_ENV, HOME_ENV, TENANT_ENV, TICKET_ENV, home  # noqa: F401 - HOME_ENV re-exported
+from client.link import Link, LinkClosed, expect_role
 from client.outbox import Outboxes
-from client.runtime import Timeouts, connect, find_runtime, start_runtime
-from pathways import auth, wire
-from pathways.errors import IslandFailedError, PathwaysError, TenantAccessError, from_wire
+from client.runtime import Embedded, Timeouts, find_address, home, load_login
+from pathways import auth
+from pathways.errors import IslandFailedError, PathwaysError, ResourceError, TenantAccessError
 from pathways.events import EventLog
 from pathways.messages import CLIENT_ID_BITS, Free
-from pathways.names import FETCH_TIMED_OUT, NAMESPACE
+from pathways.names import CREDENTIAL_ENV, JOB_ENV, TENANT_ENV, TICKET_FD_ENV
 from pathways.ops import Limits
+from pathways.requests import Close, HostStats, Open, Ready, Renew, Stalled, Suspect, Usage
 from pathways.topology import Topology
 
-REFRESH_S = 1.0  # how often a client asks whether a failed island has restarted
+RENEW_S = 5.0  # how often the session is renewed (and islands' restarts learned)
 RPC_GRACE_S = 5.0  # a host's answer may take this long beyond the wait it enforces
 log = logging.getLogger(__name__)
 
@@ -45,71 +43,65 @@ def credential_file(tenant: str) -> Path:
 
 @dataclass
 class IslandClient:
-    """What a client knows of one island: its index, its host actors, and its epoch (restart count)."""
+    """What a client knows of one island: its index, its hosts (their client addresses), its epoch (restart
+    count), and whether the resource manager says it is healthy."""
 
     index: int
-    hosts: list[Any]
+    hosts: list[dict]
     epoch: int
-
-    @property
-    def scheduler(self) -> Any:  # host 0 holds the island's scheduler
-        """The actor that takes this island's fragments: host 0 holds the island's scheduler."""
-        return self.hosts[0]
+    healthy: bool = True
+    links: dict[int, Link] = field(default_factory=dict)
 
 
 class Session:
-    """A client's session: proves its tenant once, then signs every message with the session key.
+    """A client's session: attached to the runtime at ``address``, as ``tenant``.
 
-    It holds what every other client module needs: the resource manager's and the islands' actor handles
-    (refreshed when an island restarts), the buffer ids this client mints, the outboxes that carry its
-    messages to each island's scheduler in order, the batcher that frees dropped arrays, and its event log
-    for ``pw.trace``. ``pw.init`` creates the one per process; ``current()`` finds it.
+    It holds what every other client module needs: the links to the resource manager and the islands' hosts
+    (renewed when an island restarts), the buffer ids this client mints, the outboxes that carry its messages
+    to each island in order, the batcher that frees dropped arrays, and its event log for ``pw.trace``.
     """
 
-    def __init__(self, rm: Any, tenant: str, timeouts: Timeouts, owns_ray: bool, credential: str | None = None,
-                 ticket: str | None = None, admin_credential: str | None = None) -> None:
-        self.rm = rm
+    def __init__(self, address: str, tenant: str, timeouts: Timeouts, credential: str | None = None,
+                 ticket: str | None = None, admin_credential: str | None = None,
+                 embedded: Embedded | None = None) -> None:
+        self.address = address
         self.timeouts = timeouts
-        self.owns_ray = owns_ray
         self.admin_credential = admin_credential
-        from resource_manager.lease import Lease
-
-        # On this process's node: a lease on another node would die with that node and get us reclaimed.
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        self.lease = ray.remote(Lease).options(num_cpus=0, namespace=NAMESPACE, scheduling_strategy=here).remote()
-        body = {"tenant": tenant, "pid": os.getpid(), "job": os.environ.get("RAY_JOB_SUBMISSION_ID", "")}
-        body.update({"ticket": ticket} if ticket else {"credential": credential})
-        try:
-            raw, handles = ray.get(rm.open_session.remote(wire.encode("open", body), self.lease),
-                                   timeout=timeouts.start)
-        except GetTimeoutError:
-            raise PathwaysError(f"the resource manager did not answer within {timeouts.start:.0f}s") from None
-        except RayActorError as exc:
-            raise PathwaysError(f"the resource manager is gone ({exc}); restart the cluster") from None
-        reply = _value(raw)
+        self.embedded = embedded
+        self.closed = False
+        rm = Link(address, 0, None, expect_role(None, "rm"), "the resource manager", self._rm_broken,
+                  timeout=timeouts.start if embedded else 5.0)
+        self.runtime = rm.identity.runtime
+        rm.call(lambda rid: Ready(rid), timeouts.start)
+        job = os.environ.get(JOB_ENV) or None
+        reply = rm.call(lambda rid: Open(rid, tenant, None if ticket else credential, ticket, os.getpid(), job),
+                        timeouts.start)
+        rm.conn.upgrade(reply["client"], reply["key"])
+        self.rm = rm
         self.client_id: int = reply["client"]
         self._key: bytes = reply["key"]
         self.tenant: str = reply["tenant"]
         self.weight: float = reply["weight"]
+        self.budgets: dict = reply["budgets"]
         self.topology = Topology.from_wire(reply["topology"])
-        self.host_info = [isl["hosts"] for isl in reply["islands"]]
-        self.islands = [IslandClient(i["index"], hosts, i["epoch"]) for i, hosts in zip(reply["islands"], handles)]
-        # The first call to an actor resolves its handle, which is slow; pay that now, not on the first put.
-        ray.get([i.scheduler.ping.remote() for i in self.islands if reply["islands"][i.index]["healthy"]],
-                timeout=timeouts.start)
+        self._lock = threading.Lock()
+        self.islands = [IslandClient(i["index"], i["hosts"], i["epoch"], i["healthy"]) for i in reply["islands"]]
+        self.dead: dict[int, str] = {}  # islands seen failed, and why
+        for info in reply["islands"]:
+            if not info["healthy"]:
+                self.dead[info["index"]] = info["reason"] or "unhealthy"
         self._next_id = 1
         self._id_lock = threading.Lock()
         self.sent_exes: list[set[str]] = [set() for _ in self.islands]
-        self.dead: dict[int, str] = {}
-        self._refreshed = [0.0 for _ in self.islands]
         self.slices: dict[str, Any] = {}
-        self.outboxes = Outboxes([i.scheduler for i in self.islands], self.client_id, self.sign)
+        self.outboxes = Outboxes(self, len(self.islands))
         self.frees = FreeBatcher(self)
         self.events = EventLog()
-        self._trace_token: int | None = None
-        self.closed = False
+        self._stop = threading.Event()
+        self._renewer = threading.Thread(target=self._renew_loop, name="pathways-renew", daemon=True)
+        self._renewer.start()
 
-    # -- ids and signatures -------------------------------------------------------------------------------
+    # -- ids ------------------------------------------------------------------------------------------------
     def mint(self, n: int = 1) -> int:
         """Reserve ``n`` consecutive buffer ids; the first is returned. Ids never repeat in a cluster."""
         with self._id_lock:
@@ -119,42 +111,115 @@ class Session:
             raise PathwaysError("this client has minted all the buffer ids it can; start a new session")
         return (self.client_id << CLIENT_ID_BITS) | start
 
-    def sign(self, purpose: str, *parts: Any) -> bytes:
-        """This session's signature over a message (``pathways.auth.sign`` under the session key)."""
-        return auth.sign(self._key, purpose, *parts)
-
-    # -- messages -----------------------------------------------------------------------------------------
-    def request(self, kind: str, body: dict) -> Any:
-        """A signed request to the resource manager (allocate, release, close, state, suspect)."""
-        payload = wire.encode(kind, body)
-        return self._rm(self.rm.request.remote(self.client_id, payload, self.sign("rm", payload)), kind)
-
-    def _rm(self, ref: Any, what: str) -> Any:
+    # -- the resource manager -----------------------------------------------------------------------------
+    def request(self, make: Any, what: str) -> Any:
+        """A request to the resource manager (``make(rid)`` builds it); its answer's value."""
         try:
-            raw = ray.get(ref, timeout=self.timeouts.start)
-        except GetTimeoutError:
-            raise PathwaysError(f"the resource manager did not answer {what} within "
-                                f"{self.timeouts.start:.0f}s") from None
-        except RayActorError as exc:
-            raise PathwaysError(f"the resource manager is gone ({exc}); restart the cluster") from None
-        return _value(raw)
+            return self.rm.call(make, self.timeouts.start)
+        except LinkClosed as exc:
+            raise PathwaysError(f"{what}: the connection to the runtime at {self.address} is gone ({exc}); "
+                                "call pw.init() again once it is back") from None
 
-    def submit(self, island: int, payload: bytes, refs: list | None = None) -> None:
+    def _rm_broken(self, reason: str) -> None:
+        if not self.closed:
+            log.error("the connection to the runtime at %s ended (%s); this session is over", self.address, reason)
+
+    def _renew_loop(self) -> None:
+        while not self._stop.wait(RENEW_S):
+            try:
+                self.update_islands(self.rm.call(lambda rid: Renew(rid), self.timeouts.start)["islands"])
+            except PathwaysError as exc:
+                if not self.closed:
+                    log.warning("renewing the session failed: %s", exc)
+                if not self.rm.alive:
+                    return
+
+    def update_islands(self, islands: list[dict]) -> None:
+        """What the resource manager says of the islands now: an island whose epoch grew restarted, with new
+        hosts (this client's buffers there are lost); one marked unhealthy is dead here too."""
+        for info in islands:
+            k = info["index"]
+            with self._lock:
+                island = self.islands[k]
+                restarted = info["epoch"] > island.epoch
+                if restarted:
+                    for link in island.links.values():
+                        link.close()
+                    self.islands[k] = IslandClient(k, info["hosts"], info["epoch"], info["healthy"])
+                    self.sent_exes[k] = set()  # the new hosts have none of the executables
+                    self.outboxes.restart(k)
+                else:
+                    island.healthy = info["healthy"]
+            if info["healthy"] and (restarted or k in self.dead) and not self._links_broken(k):
+                self.dead.pop(k, None)
+            elif not info["healthy"]:
+                self.dead.setdefault(k, info["reason"] or "unhealthy")
+
+    def _links_broken(self, island: int) -> bool:
+        return any(not link.alive for link in self.islands[island].links.values())
+
+    # -- islands --------------------------------------------------------------------------------------------
+    def link(self, island: int, host: int) -> Link:
+        """The connection to host ``host`` of ``island`` (made on first use)."""
+        with self._lock:
+            isl = self.islands[island]
+            found = isl.links.get(host)
+            if found is not None and found.alive:
+                return found
+            info = isl.hosts[host]
+            epoch = isl.epoch
+        if island in self.dead and not self.refresh(island):
+            raise IslandFailedError(f"island {island} has failed ({self.dead[island]}); it has not restarted yet")
+        try:
+            made = Link(info["client"], self.client_id, self._key,
+                        expect_role(self.runtime, "host", island, host, epoch), f"island {island} host {host}",
+                        lambda reason, i=island, h=host: self.island_failed(i, f"host {h}: {reason}"))
+        except PathwaysError as exc:
+            self.island_failed(island, f"host {host}: {exc}")
+            raise IslandFailedError(f"island {island} host {host} cannot be reached: {exc}") from None
+        with self._lock:
+            if self.islands[island].epoch != epoch:
+                made.close()
+                raise IslandFailedError(f"island {island} restarted while this client connected to it")
+            old = self.islands[island].links.get(host)
+            if old is not None and old.alive:
+                made.close()
+                return old
+            self.islands[island].links[host] = made
+        return made
+
+    def submit(self, island: int, payload: bytes) -> None:
         """Hand one message to an island's scheduler without waiting for it (in order; see ``client.outbox``)."""
         if island in self.dead and not self.refresh(island):
             raise IslandFailedError(f"island {island} has failed ({self.dead[island]}); it has not restarted yet")
-        self.outboxes.put(island, payload, refs)
+        self.outboxes.put(island, payload)
 
-    def hosts_of(self, island: int, host_ids: Sequence[int]) -> list[Any]:
-        """The actors of hosts ``host_ids`` of ``island``."""
-        return [self.islands[island].hosts[h] for h in host_ids]
+    def upload(self, island: int, host: int, payload: bytes, data: Sequence[Any]) -> None:
+        """Send a put's value (this host's shards) straight to the host that will hold them."""
+        try:
+            self.link(island, host).send(payload, data)
+        except LinkClosed as exc:
+            raise IslandFailedError(f"island {island} host {host}: {exc}") from None
+
+    def ask(self, island: int, host: int, make: Any, sink: Any = None) -> Future:
+        """Send a request to a host; the future of its answer (IslandFailedError if the host is gone)."""
+        try:
+            return self.link(island, host).start(make, sink=sink)
+        except IslandFailedError as exc:
+            future: Future = Future()
+            future.set_exception(exc)
+            return future
 
     def usage(self, island: int, host: int = 0, reset_peak: bool = False) -> dict:
         """This tenant's buffers, bytes and peak bytes on one host (``reset_peak``: the peak starts again
         from now), and its executables there. Peaks measure a step's memory: reset, run, read."""
-        mac = self.sign("usage", int(reset_peak))
-        return ray.get(self.islands[island].hosts[host].usage.remote(self.client_id, mac, reset_peak),
-                       timeout=self.timeouts.fetch)
+        return self.wait([self.ask(island, host, lambda rid: Usage(rid, reset_peak))], frozenset({island}),
+                         self.timeouts.fetch, f"usage on island {island}")[0]
+
+    def host_stats(self, island: int, host: int = 0) -> dict:
+        """Counters of one host (which name no tenant)."""
+        return self.wait([self.ask(island, host, lambda rid: HostStats(rid))], frozenset({island}),
+                         self.timeouts.fetch, f"counters of island {island} host {host}")[0]
 
     def epoch(self, island: int) -> int:
         """How many times ``island`` had restarted when this client last looked."""
@@ -162,60 +227,68 @@ class Session:
 
     def limits(self, island: int) -> Limits:
         """What a host of ``island`` can hold (from the resource manager): arrays larger are refused here."""
-        hosts = self.host_info[island]
+        hosts = self.islands[island].hosts
         return Limits(island, self.topology.islands, self.topology.hosts_per_island, self.topology.devices_per_host,
                       min(h["memory_bytes"] for h in hosts), min(h["device_bytes"] for h in hosts))
 
-    # -- islands that fail and restart --------------------------------------------------------------------
     def refresh(self, island: int) -> bool:
-        """Whether ``island`` has restarted since it failed here; if so, talk to its new hosts from now on."""
-        now = time.monotonic()
-        if now - self._refreshed[island] < REFRESH_S:
-            return island not in self.dead
-        self._refreshed[island] = now
+        """Whether ``island`` serves again (it restarted since it failed here): asks the resource manager."""
         try:
-            raw, handles = ray.get(self.rm.hosts.remote(self.client_id, self.sign("hosts")),
-                                   timeout=self.timeouts.poll * 10)
-            epochs = _value(raw)
-        except Exception:  # the resource manager is busy or gone: the island counts as failed for now
+            self.update_islands(self.rm.call(lambda rid: Renew(rid), self.timeouts.poll * 10)["islands"])
+        except PathwaysError:
             return False
-        for k, (epoch, hosts) in enumerate(zip(epochs, handles)):
-            if epoch > self.islands[k].epoch:
-                self.islands[k] = IslandClient(k, hosts, epoch)
-                self.sent_exes[k] = set()  # the new hosts have none of the executables
-                self.outboxes.replace(k, hosts[0])
-                self.dead.pop(k, None)
         return island not in self.dead
 
-    # -- waiting ------------------------------------------------------------------------------------------
-    def wait(self, refs: list, islands: frozenset[int], timeout: float | None, what: str) -> list:
-        """ray.get with a deadline, raising IslandFailedError as soon as an island it depends on dies.
+    def island_failed(self, island: int, reason: str) -> None:
+        """This client saw ``island`` fail: stop sending to it, and ask the resource manager to check it."""
+        if island in self.dead or self.closed:
+            return
+        self.dead[island] = reason
+        try:
+            self.rm.start(lambda rid: Suspect(rid, island, reason[:500]))
+        except PathwaysError:
+            pass
 
-        The hosts enforce ``timeout`` themselves (a value that is there returns even with 0); this side
-        allows the calls ``RPC_GRACE_S`` more to come back."""
+    def check_islands(self, islands: frozenset[int]) -> None:
+        """Raise IslandFailedError if one of ``islands`` failed (its connection broke, or the resource manager
+        says so) and has not restarted."""
+        for i in sorted(islands):
+            if i in self.dead and not self.refresh(i):
+                raise IslandFailedError(f"island {i} has failed: {self.dead[i]}")
+
+    # -- waiting ------------------------------------------------------------------------------------------
+    def wait(self, futures: list[Future], islands: frozenset[int], timeout: float | None, what: str) -> list:
+        """The futures' results, raising IslandFailedError as soon as an island they depend on fails, or after
+        ``timeout`` (the hosts enforce it themselves; this side allows ``RPC_GRACE_S`` more)."""
+        from concurrent.futures import FIRST_EXCEPTION
+        from concurrent.futures import wait as wait_all
+
+        from pathways.names import FETCH_TIMED_OUT
+
         timeout = self.timeouts.fetch if timeout is None else timeout
         deadline = time.monotonic() + timeout + RPC_GRACE_S
-        pending = list(refs)
+        pending = set(futures)
         while pending:
             remaining = deadline - time.monotonic()
-            _, pending = ray.wait(pending, num_returns=len(pending), timeout=max(0.0, min(self.timeouts.poll,
-                                                                                          remaining)))
+            done, pending = wait_all(pending, timeout=max(0.0, min(self.timeouts.poll, remaining)),
+                                     return_when=FIRST_EXCEPTION)
+            if any(f.exception() is not None for f in done):
+                break
             if pending and time.monotonic() >= deadline:
                 raise self._timed_out(what, timeout, islands)
             if pending:
                 self.check_islands(islands)
         out = []
-        for ref in refs:
-            try:
-                value = ray.get(ref)
-            except RayTaskError as exc:
-                cause = getattr(exc, "cause", None)
-                if isinstance(cause, PathwaysError):
-                    raise cause.with_traceback(None) from None
-                raise PathwaysError(f"{what} failed on the island: {exc}") from None
-            except RayActorError as exc:
+        for future in futures:
+            if not future.done():
+                continue
+            exc = future.exception()
+            if isinstance(exc, LinkClosed):
                 self.check_islands(islands)
-                raise IslandFailedError(f"{what} failed: a host died ({type(exc).__name__})") from None
+                raise IslandFailedError(f"{what} failed: {exc}") from None
+            if exc is not None:
+                raise exc.with_traceback(None)
+            value = future.result()
             if isinstance(value, str) and value == FETCH_TIMED_OUT:
                 raise self._timed_out(what, timeout, islands)
             out.append(value)
@@ -223,17 +296,13 @@ class Session:
 
     def _timed_out(self, what: str, timeout: float, islands: frozenset[int]) -> IslandFailedError:
         """The timeout error, saying where this tenant's unfinished fragments on ``islands`` stopped."""
-        hosts = [host for i in sorted(islands) for host in self.islands[i].hosts]
-        mac = self.sign("stalled")
-        refs = [host.stalled.remote(self.client_id, mac) for host in hosts]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.timeouts.poll)
+        futures = [self.ask(i, h, lambda rid: Stalled(rid)) for i in sorted(islands)
+                   for h in range(len(self.islands[i].hosts))]
         lines = []
-        for ref in refs:
-            if ref not in ready:
-                continue
+        for future in futures:
             try:
-                report = ray.get(ref, timeout=0)
-            except Exception:  # the host is gone: the health check says so, not this message
+                report = future.result(timeout=self.timeouts.poll)
+            except Exception:  # the host is gone or slow: the health check says so, not this message
                 continue
             where = f"island {report['island']} host {report['host']}"
             for run in report["runs"]:
@@ -249,35 +318,9 @@ class Session:
         return IslandFailedError(f"{what} timed out after {timeout:.1f}s; islands {sorted(islands)} are alive but "
                                  f"did not produce it (overloaded or stuck)" + (f": {detail}" if detail else ""))
 
-    def check_islands(self, islands: frozenset[int]) -> None:
-        """Ping every host of ``islands``; a dead one marks its island failed here and raises."""
-        for i in sorted(islands):
-            if i in self.dead and not self.refresh(i):
-                raise IslandFailedError(f"island {i} has failed: {self.dead[i]}")
-        pings = {(i, h): host.ping.remote() for i in islands for h, host in enumerate(self.islands[i].hosts)}
-        ray.wait(list(pings.values()), num_returns=len(pings), timeout=self.timeouts.poll)
-        for (i, h), ref in pings.items():
-            try:
-                ray.get(ref, timeout=0)
-            except GetTimeoutError:
-                continue
-            except Exception as exc:  # the actor is dead or unreachable, or its host can no longer run
-                reason = str(exc.cause) if isinstance(exc, RayTaskError) and exc.cause else type(exc).__name__
-                self.island_failed(i, f"host {h}: {reason}")
-                raise IslandFailedError(f"island {i} failed: host {h}: {reason}") from None
-
-    def island_failed(self, island: int, reason: str) -> None:
-        """This client saw ``island`` fail: stop sending to it, and ask the resource manager to check it."""
-        if island in self.dead:
-            return
-        self.dead[island] = reason
-        self._refreshed[island] = time.monotonic()
-        payload = wire.encode("suspect", {"island": island, "reason": reason[:500]})
-        self.rm.request.remote(self.client_id, payload, self.sign("rm", payload))
-
     def flush(self, timeout: float | None = None) -> None:
         """Send every message this client still holds back (see ``client.outbox``), waiting at most
-        ``timeout`` seconds (the op timeout by default) for the islands to take them."""
+        ``timeout`` seconds (the op timeout by default) for them to leave."""
         self.frees.flush()
         if not self.outboxes.drain(self.timeouts.op if timeout is None else timeout, skip=set(self.dead)):
             raise IslandFailedError("the islands did not take this client's messages in time")
@@ -288,31 +331,30 @@ class Session:
         resource manager, which releases the client's slices. Idempotent."""
         if self.closed:
             return
-        self.closed = True
         self.frees.stop()
         for island in self.islands:
             if island.index not in self.dead:
-                self.outboxes.put(island.index, Free((), everything=True).encode(), None)
+                self.outboxes.put(island.index, Free((), everything=True).encode())
         self.outboxes.close(self.timeouts.op, skip=set(self.dead))
+        self.closed = True
+        self._stop.set()
         try:
-            self.request("close", {})
+            self.rm.call(lambda rid: Close(rid), self.timeouts.poll * 10)
         except PathwaysError as exc:
-            log.warning("could not close the session at the resource manager: %s", exc)
-
-
-def _value(raw: bytes) -> Any:
-    msg = wire.decode(raw, "reply")
-    if not msg["ok"]:
-        raise from_wire(*msg["value"])
-    return msg["value"]
+            log.info("could not close the session at the resource manager: %s", exc)
+        for island in self.islands:
+            for link in island.links.values():
+                link.close()
+        self.rm.close()
+        if self.embedded is not None:
+            self.embedded.stop()
 
 
 class FreeBatcher:
     """Collects ids of garbage-collected arrays and frees them in batches, in order with fragments.
 
-    Frees ride on the island's next fragment; a background flush sends the rest
-    every ``interval`` seconds. ``add`` only appends to a deque, so it is safe
-    from ``__del__`` in any thread.
+    Frees ride on the island's next fragment; a background flush sends the rest every ``interval`` seconds.
+    ``add`` only appends to a deque, so it is safe from ``__del__`` in any thread.
     """
 
     def __init__(self, session: Session, interval: float = 0.1) -> None:
@@ -356,7 +398,6 @@ class FreeBatcher:
 
 _session: Session | None = None
 _lock = threading.Lock()
-_started: dict[str, tuple[str, str, str]] = {}  # runtimes this process started: (admin, tenant, credential)
 
 
 def current() -> Session:
@@ -369,35 +410,34 @@ def current() -> Session:
 def init(topology: Topology | None = None, address: str | None = None, *, tenant: str | None = None,
          credential: str | None = None, timeouts: Timeouts | None = None,
          default_quota: int | None = None) -> Session:
-    """Connect to (or start) a cluster and open this process's session. Idempotent: a second call returns
-    the same session.
+    """Attach to a runtime (or start an embedded local one) and open this process's session. Idempotent: a
+    second call returns the same session.
 
     Args:
-        topology: the islands to start (``pw.Topology``). With no ``address``, an embedded local Ray
-            cluster is started with it (default: 2 islands x 1 host x 4 CPU devices); with an address,
-            a runtime is started on that cluster only if none runs there yet. Where a runtime already
-            runs, a given topology must equal the running one.
-        address: a Ray cluster to attach to (``"host:port"`` or ``"auto"``; default ``RAY_ADDRESS``, else
-            a live cluster recorded on this machine, else an embedded one this call starts).
-        tenant: the tenant to act as (default ``PATHWAYS_TENANT``, else ``"default"``). On an embedded
-            cluster this is its one implicit tenant and needs no credential.
-        credential: the tenant's credential, issued by the cluster's admin (default
-            ``PATHWAYS_CREDENTIAL``, else the file ``$PATHWAYS_HOME/credentials/TENANT``). A job started
-            with ``pathways submit`` instead holds a one-time ticket (``PATHWAYS_TICKET``).
+        topology: the islands of an embedded cluster (``pw.Topology``; default 2 islands x 1 host x 4 CPU
+            devices). Attaching to a running runtime, a given topology must equal its own.
+        address: the runtime's address, ``pathways://HOST:PORT`` (what ``pathways up`` prints). Default:
+            ``PATHWAYS_ADDRESS``, else the address ``pathways login`` saved, else the runtime ``pathways up``
+            started on this machine, else an embedded local cluster this call starts (and ``pw.shutdown``, or
+            this process's end, stops).
+        tenant: the tenant to act as (default ``PATHWAYS_TENANT``, else the saved login's, else ``"default"``).
+            On an embedded cluster this is its one implicit tenant and needs no credential.
+        credential: the tenant's credential, issued by the cluster's admin (default ``PATHWAYS_CREDENTIAL``,
+            else the saved login's, else the file ``$PATHWAYS_HOME/credentials/TENANT``). A job started with
+            ``pathways submit`` instead holds a one-time ticket, which this call reads itself.
         timeouts: bounds on every wait (``pw.Timeouts``).
-        default_quota: the device quota of new tenants, on a runtime this call starts.
+        default_quota: the device quota of new tenants, on an embedded cluster this call starts.
 
-    Weights and quotas come from the cluster's tenant registry, never from the client.
+    Weights, quotas and budgets come from the cluster's tenant registry, never from the client.
 
     Returns:
         The session. Other calls find it themselves; ``pw.shutdown`` closes it.
 
     Raises:
-        PathwaysError: no Ray cluster answers at ``address``; the cluster runs no pathways runtime and no
-            ``topology`` was given; the resource manager does not answer within ``timeouts.start``; or
-            ``topology``/``timeouts`` is of the wrong type.
-        ResourceError: the running runtime has another topology, or the runtime could not start.
-        TenantAccessError: there is no credential for ``tenant``, or the resource manager refuses it.
+        PathwaysError: nothing answers at the address; the runtime does not answer within ``timeouts.start``;
+            or ``topology``/``timeouts`` is of the wrong type.
+        ResourceError: the running runtime has another topology, or the embedded cluster could not start.
+        TenantAccessError: there is no credential for ``tenant``, or the runtime refuses it.
     """
     global _session
     with _lock:
@@ -408,36 +448,46 @@ def init(topology: Topology | None = None, address: str | None = None, *, tenant
             raise PathwaysError(f"timeouts must be a pw.Timeouts, got {type(timeouts).__name__}")
         if topology is not None and not isinstance(topology, Topology):
             raise PathwaysError(f"topology must be a pw.Topology, got {type(topology).__name__}")
-        tenant = tenant or os.environ.get(TENANT_ENV) or "default"
-        ticket = None if credential else os.environ.get(TICKET_ENV)
-        credential = credential or os.environ.get(CREDENTIAL_ENV) or _read_credential(tenant)
-        owns_ray = connect(address or os.environ.get("RAY_ADDRESS"))
-        rm = find_runtime()
-        admin = None
-        if rm is None:
-            if not owns_ray and topology is None:
-                raise PathwaysError("no pathways runtime runs on this Ray cluster; start one with `pathways up "
-                                    "--address ADDR`, or pw.init(address=..., topology=pw.Topology(...))")
-            # This process starts the runtime: it is its admin, and its tenant is the implicit one.
+        found, source = find_address(address)
+        saved = load_login() if source.endswith("login.json") else None
+        tenant = tenant or os.environ.get(TENANT_ENV) or (saved.tenant if saved else None) or "default"
+        ticket = None if credential else _read_ticket()
+        credential = (credential or os.environ.get(CREDENTIAL_ENV) or (saved.credential if saved else None)
+                      or _read_credential(tenant))
+        embedded = admin = None
+        if found is None:
             admin, credential, ticket = auth.new_secret(), credential or auth.new_secret(), None
-            rm = start_runtime(topology or Topology(), timeouts, auth.digest(admin),
-                               implicit={"tenant": tenant, "digest": auth.digest(credential)},
-                               default_quota=default_quota)
-            _started[rm._actor_id.hex()] = (admin, tenant, credential)
-        else:
-            if topology is not None:
-                start_runtime(topology, timeouts, None)  # refuses a different running topology
-            mine = _started.get(rm._actor_id.hex())
-            if mine is not None:  # a runtime this process started: it stays its admin and implicit tenant
-                admin = mine[0]
-                if tenant == mine[1] and credential is None:
-                    credential = mine[2]
-        if credential is None and ticket is None:
+            embedded = Embedded(topology or Topology(), timeouts, admin, tenant, credential, default_quota)
+            found = embedded.address
+        elif credential is None and ticket is None:
             raise TenantAccessError(f"tenant {tenant!r} has no credential on this machine: ask the cluster's admin "
-                                    f"for one (`pathways tenants add {tenant}`), then pass pw.init(credential=...), "
-                                    f"set {CREDENTIAL_ENV}, or save it in {credential_file(tenant)}")
-        _session = Session(rm, tenant, timeouts, owns_ray, credential, ticket, admin)
+                                    f"for one (`pathways tenants add {tenant}` prints a `pathways login` command), "
+                                    f"or pass pw.init(credential=...), set {CREDENTIAL_ENV}, or save it in "
+                                    f"{credential_file(tenant)}")
+        try:
+            session = Session(found, tenant, timeouts, credential, ticket, admin, embedded)
+        except BaseException:
+            if embedded is not None:
+                embedded.stop()
+            raise
+        if topology is not None and session.topology != topology:
+            session.close()
+            raise ResourceError(f"the runtime at {found} runs {session.topology}; you asked for {topology}. Call "
+                                "pw.init() without a topology to attach, or start a new cluster")
+        _session = session
         return _session
+
+
+def _read_ticket() -> str | None:
+    """A job's single-use ticket, from the pipe its runner left open (read once, then closed)."""
+    fd = os.environ.pop(TICKET_FD_ENV, None)
+    if not fd:
+        return None
+    try:
+        with os.fdopen(int(fd), "rb") as pipe:
+            return pipe.read(256).decode().strip() or None
+    except (OSError, ValueError):
+        return None
 
 
 def _read_credential(tenant: str) -> str | None:
@@ -450,7 +500,7 @@ def _read_credential(tenant: str) -> str | None:
 
 def shutdown() -> None:
     """Close this process's session: free its buffers on the islands and release its slices; stop the
-    embedded Ray instance if ``pw.init`` started it. A no-op without a session; ``pw.init`` may follow.
+    embedded cluster if ``pw.init`` started one. A no-op without a session; ``pw.init`` may follow.
 
     Arrays and slices of the closed session can no longer be used.
     """
@@ -460,5 +510,3 @@ def shutdown() -> None:
     if session is None:
         return
     session.close()
-    if session.owns_ray:
-        ray.shutdown()

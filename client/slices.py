@@ -11,6 +11,7 @@ from jax.sharding import AbstractMesh, AxisType
 from client.session import Session, current
 from pathways.errors import ResourceError
 from pathways.ops import SliceDesc
+from pathways.requests import Allocate, Release
 
 
 class VirtualSlice:
@@ -50,7 +51,7 @@ class VirtualSlice:
     def release(self) -> None:
         """Free the allocation; arrays on the slice stay valid until they are dropped."""
         if not self.released and not self._session.closed:
-            self._session.request("release", {"slice": self.key})
+            self._session.request(lambda rid: Release(rid, self.key), "pw.release")
             self._session.slices.pop(self.key, None)
         self.released = True
 
@@ -88,11 +89,13 @@ def slice(shape: Sequence[int], axis_names: Sequence[str], island: int | None = 
     """
     session = current()
     try:
-        body = {"shape": [int(n) for n in shape], "axes": [str(a) for a in axis_names], "island": island}
+        dims, axes = [int(n) for n in shape], [str(a) for a in axis_names]
     except (TypeError, ValueError):
         raise ResourceError(f"pw.slice: shape {shape!r} must be a sequence of ints and axis_names {axis_names!r} "
                             "a sequence of names") from None
-    wire = session.request("allocate", body)
+    if island is not None and (isinstance(island, bool) or not isinstance(island, int)):
+        raise ResourceError(f"pw.slice: island must be an island's index, got {island!r}")
+    wire = session.request(lambda rid: Allocate(rid, dims, axes, island), "pw.slice")
     s = VirtualSlice(session, wire)
     session.slices[s.key] = s
     return s

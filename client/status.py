@@ -8,12 +8,12 @@ share of its time, with everyone else's as one sum.
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from typing import Any
-
-import ray
 
 from client.session import current
 from pathways.cluster import ClusterStatus, HostStatus, IslandStatus
+from pathways.requests import HostStats, ScheduleStats, State
 from pathways.topology import Topology
 
 HOST_FIELDS = ("buffers", "buffer_bytes", "compiles", "cache_hits", "queue_depth", "completed", "busy_s",
@@ -39,43 +39,35 @@ def status(timeout: float = 10.0) -> ClusterStatus:
         PathwaysError: ``pw.init`` was not called, or the resource manager does not answer.
     """
     session = current()
-    state = session.request("state", {})
-    mac = session.sign("schedule_stats")
-    schedules = [i.scheduler.schedule_stats.remote(session.client_id, mac) for i in session.islands]
-    return snapshot(state, [i.hosts for i in session.islands], schedules, timeout)
+    state = session.request(lambda rid: State(rid), "pw.status")
+    hosts = [[session.ask(i.index, h, lambda rid: HostStats(rid)) for h in range(len(i.hosts))]
+             for i in session.islands]
+    schedules = [session.ask(i.index, 0, lambda rid: ScheduleStats(rid)) for i in session.islands]
+    return snapshot(state, [[_read(f, timeout) for f in row] for row in hosts], [_read(f, timeout) for f in schedules])
 
 
-def admin_status(admin: Any, timeout: float = 10.0) -> ClusterStatus:
+def admin_status(admin: Any) -> ClusterStatus:
     """The whole cluster, every tenant named (``admin``: a ``pw.Admin``)."""
     by_island = {s["island"]: s for s in admin.schedules()}
     state = admin.state()
-    return snapshot(state, admin.hosts(), [by_island.get(i["index"], {}) for i in state["islands"]], timeout)
+    return snapshot(state, admin.host_stats(), [by_island.get(i["index"]) for i in state["islands"]])
 
 
-def snapshot(state: dict, hosts_by_island: list[list[Any]], schedules: list, timeout: float) -> ClusterStatus:
-    """The typed snapshot from a resource manager's ``state``, every host's counters, and each island's
-    scheduler counters (object refs to wait for, or dicts already read)."""
-    stats_refs = [[h.stats.remote() for h in hosts] for hosts in hosts_by_island]
-    pending = [r for refs in stats_refs for r in refs] + [s for s in schedules if isinstance(s, ray.ObjectRef)]
-    ready, _ = ray.wait(pending, num_returns=len(pending), timeout=timeout)
-    ready = set(ready)
+def _read(future: Future, timeout: float) -> dict | None:
+    try:
+        return future.result(timeout=timeout)
+    except Exception:  # a dead or slow host is reported as not alive, not raised
+        return None
 
-    def read(ref: Any) -> dict | None:
-        if not isinstance(ref, ray.ObjectRef):
-            return ref
-        if ref not in ready:
-            return None
-        try:
-            return ray.get(ref)
-        except Exception:  # a dead host or scheduler is reported, not raised
-            return None
 
+def snapshot(state: dict, host_stats: list[list[dict | None]], schedules: list[dict | None]) -> ClusterStatus:
+    """The typed snapshot from a resource manager's ``state``, every host's counters (None: it did not answer),
+    and each island's scheduler counters."""
     islands = []
-    for isl, refs, sched_ref in zip(state["islands"], stats_refs, schedules):
-        sched = read(sched_ref) or {}
+    for isl, stats_row, sched in zip(state["islands"], host_stats, schedules):
+        sched = sched or {}
         hosts = []
-        for info, ref in zip(isl["hosts"], refs):
-            stats = read(ref)
+        for info, stats in zip(isl["hosts"], stats_row):
             hosts.append(HostStatus(island=info["island"], host=info["host"], node=info["node"],
                                     devices=info["devices"], alive=stats is not None, ip=info.get("ip", ""),
                                     data=info.get("data", ""),

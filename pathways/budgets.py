@@ -32,6 +32,7 @@ class Budgets:
     sessions: the tenant's open client sessions at once.
     executable_bytes: bytes of serialized executables the tenant keeps on one host.
     connections: the tenant's open connections to one endpoint of the runtime.
+    jobs: the tenant's jobs running at once (``pathways submit``).
     """
 
     host_bytes: int = 8 * GiB
@@ -43,6 +44,7 @@ class Budgets:
     sessions: int = 16
     executable_bytes: int = 512 * MiB
     connections: int = 64
+    jobs: int = 8
 
     def to_wire(self) -> dict[str, int]:
         """Every budget by name (what the registry stores and the hosts are told)."""

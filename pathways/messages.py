@@ -3,8 +3,9 @@
 A client sends an island's scheduler three kinds, in its numbered stream:
 ``Call`` (run a fragment template with these buffer ids), ``Put`` (place a host
 value on a slice) and ``Free`` (drop buffers). Hosts send each other ``Deliver``
-(shards for a receive) and ``Returned`` (leases of lent shards coming back).
-The resource manager's requests and replies are declared at the end.
+(shards for a receive) and ``returned`` (leases of lent shards coming back).
+The resource manager's orders to its hosts are declared at the end; the client
+protocol's requests live in ``pathways.requests``.
 
 Who sent a message is never a field: a client's stream and requests are
 signed with its session key (``pathways.auth``), so the island knows the
@@ -13,7 +14,6 @@ client, and from the resource manager its tenant.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +21,7 @@ from typing import Any
 from pathways import wire
 from pathways.errors import WireFormatError
 from pathways.ops import MAX_SHARDS, Aval, Region, SliceDesc, WireSpec, region_of, spec_of, spec_to_list
+from pathways.wire import declare
 
 CLIENT_ID_BITS = 40  # buffer ids are (client id << 40) | counter, minted by the client
 MAX_ID = (1 << 63) - 1
@@ -51,22 +52,18 @@ class Call:
 
 @dataclass(frozen=True)
 class Put:
-    """Place a host value (sent beside the message) on a slice as buffer ``id``; with ``per_host`` each
-    host of the slice receives only its own shards."""
+    """Place a host value on a slice as buffer ``id``: each host of the slice takes its own shards of the value,
+    which the client uploaded to it directly (``pathways.requests.PutData``)."""
 
     id: int
     slice: SliceDesc
     spec: WireSpec
     aval: Aval
-    per_host: bool = False
 
     def encode(self) -> bytes:
         """The message's wire bytes."""
-        body: dict[str, Any] = {"id": self.id, "slice": self.slice.to_wire(), "spec": spec_to_list(self.spec),
-                                "aval": self.aval.to_wire()}
-        if self.per_host:
-            body["per_host"] = True
-        return wire.encode("put", body)
+        return wire.encode("put", {"id": self.id, "slice": self.slice.to_wire(), "spec": spec_to_list(self.spec),
+                                   "aval": self.aval.to_wire()})
 
 
 @dataclass(frozen=True)
@@ -92,31 +89,8 @@ def decode_request(payload: bytes) -> Request:
     if kind == "call":
         return Call(msg["template"], msg["base"], tuple(msg["inputs"]), msg["exes"], tuple(msg["frees"]))
     if kind == "put":
-        return Put(msg["id"], SliceDesc.from_wire(msg["slice"]), spec_of(msg["spec"]), Aval.from_wire(msg["aval"]),
-                   bool(msg.get("per_host")))
+        return Put(msg["id"], SliceDesc.from_wire(msg["slice"]), spec_of(msg["spec"]), Aval.from_wire(msg["aval"]))
     return Free(tuple(msg["ids"]), bool(msg.get("everything")))
-
-
-@dataclass(frozen=True)
-class Fetch:
-    """Read buffer ``id`` (or only wait until it is ready), waiting at most ``timeout`` seconds."""
-
-    id: int
-    timeout: float
-    ready_only: bool
-
-    def encode(self) -> bytes:
-        """The message's wire bytes."""
-        return wire.encode("fetch", {"id": self.id, "timeout": self.timeout, "ready_only": self.ready_only})
-
-    @classmethod
-    def decode(cls, payload: bytes) -> Fetch:
-        """A fetch from its wire bytes; WireFormatError unless the timeout is a finite number >= 0."""
-        msg = wire.decode(payload, "fetch")
-        timeout = float(msg["timeout"])
-        if not math.isfinite(timeout) or timeout < 0:
-            raise WireFormatError(f"fetch.timeout must be a finite number of seconds >= 0, got {timeout!r}")
-        return cls(msg["id"], timeout, msg["ready_only"])
 
 
 @dataclass(frozen=True)
@@ -171,37 +145,93 @@ class Deliver:
 
 wire.register("call", {"template": bytes, "base": int, "inputs": ("list", int), "exes": ("map", bytes),
                        "frees": ("list", int)})
-wire.register("put", {"id": int, "slice": wire.SLICE, "spec": wire.SPEC, "aval": wire.AVAL, "per_host": ("opt", bool)})
+wire.register("put", {"id": int, "slice": wire.SLICE, "spec": wire.SPEC, "aval": wire.AVAL})
 wire.register("free", {"ids": ("list", int), "everything": ("opt", bool)})
-wire.register("fetch", {"id": int, "timeout": float, "ready_only": bool})
 wire.register("deliver", {"key": int, "src": int, "host": int, "shards": ("list", ("list", ("list", int))),
                           "failure": ("opt", ("list", str)),
                           "direct": ("opt", {"lease": int, "addrs": ("list", int), "channel": str}),
                           "dtype": ("opt", str)})
 wire.register("returned", {"leases": ("list", int)})
-wire.register("reply", {"ok": bool, "value": wire.ANY})
 
-# -- the resource manager's requests -------------------------------------------------------------------
-# A session is opened with a tenant's credential (or a job's one-time ticket); the other requests are signed
-# with the session key; admin requests carry the admin credential.
-wire.register("open", {"tenant": str, "credential": ("opt", str), "ticket": ("opt", str), "pid": int,
-                       "job": ("opt", str)})
-wire.register("allocate", {"shape": ("list", int), "axes": ("list", str), "island": ("opt", int)})
-wire.register("release", {"slice": str})
-wire.register("close", {})
-wire.register("state", {})
-wire.register("suspect", {"island": int, "reason": str})
-wire.register("ticket", {"tenant": str, "credential": str, "job": str})
-wire.register("admin", {"credential": str, "op": str, "args": ("map", wire.ANY)})
 
-# -- the resource manager's orders to its hosts (signed with the runtime key) ---------------------------
-wire.register("session", {"client": int, "tenant": str, "key": bytes, "weight": float})
-wire.register("end_session", {"client": int, "free": bool})
-wire.register("grant", {"slice": wire.SLICE, "tenant": str})
-wire.register("revoke", {"keys": ("list", str)})
-wire.register("weight", {"tenant": str, "weight": float})
-wire.register("island_failed", {"island": int})
-wire.register("release_tenant", {"tenant": str})
-wire.register("peers", {"hosts": ("list", {"island": int, "host": int, "node": str, "pid": int, "channel": str,
-                                            "data": str})})
-CONTROL = ("session", "end_session", "grant", "revoke", "weight", "island_failed", "release_tenant", "peers")
+# -- the resource manager's orders to its hosts (signed with the runtime key, bound to the host) ------------
+
+@declare("session", {"client": int, "tenant": str, "key": bytes, "weight": float, "budgets": ("map", int)})
+class OpenSession:
+    """Accept connections proven with ``key`` as client ``client`` of ``tenant``, whose weight and budgets
+    (``pathways.budgets.Budgets.to_wire``) the registry holds."""
+
+    client: int
+    tenant: str
+    key: bytes
+    weight: float
+    budgets: dict
+
+
+@declare("end_session", {"client": int, "free": bool})
+class EndSession:
+    """Client ``client``'s session ended: close its connections and forget it (``free``: drop its buffers)."""
+
+    client: int
+    free: bool
+
+
+@declare("grant", {"slice": wire.SLICE, "tenant": str})
+class Grant:
+    """``tenant`` holds the slice (its key, mesh and devices)."""
+
+    slice: dict
+    tenant: str
+
+    @property
+    def desc(self) -> SliceDesc:
+        """The granted slice."""
+        return SliceDesc.from_wire(self.slice)
+
+
+@declare("revoke", {"keys": ("list", str)})
+class Revoke:
+    """The slices ``keys`` were released: programs and puts on them are refused from now on."""
+
+    keys: list
+
+
+@declare("weight", {"tenant": str, "weight": float})
+class SetWeight:
+    """The admin changed ``tenant``'s weight."""
+
+    tenant: str
+    weight: float
+
+
+@declare("budgets", {"tenant": str, "budgets": ("map", int)})
+class SetBudgets:
+    """The admin changed ``tenant``'s budgets."""
+
+    tenant: str
+    budgets: dict
+
+
+@declare("island_failed", {"island": int})
+class IslandFailed:
+    """``island`` failed: receives from it stop waiting."""
+
+    island: int
+
+
+@declare("release_tenant", {"tenant": str})
+class ReleaseTenant:
+    """``tenant`` was removed: drop every buffer it holds."""
+
+    tenant: str
+
+
+@declare("peers", {"hosts": ("list", {"island": int, "host": int, "node": str, "pid": int, "channel": str,
+                                       "data": str})})
+class PeerTable:
+    """Every host of the runtime (after a start or an island's restart): who a host may talk to, and how."""
+
+    hosts: list
+
+
+CONTROL = (OpenSession, EndSession, Grant, Revoke, SetWeight, SetBudgets, IslandFailed, ReleaseTenant, PeerTable)

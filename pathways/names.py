@@ -1,5 +1,17 @@
-"""Names every side agrees on: the runtime's Ray namespace and resource manager, a fetch's timeout answer, and
-the Ray settings of the clusters the runtime starts."""
+"""Names every side agrees on: environment variables, files, the runtime's Ray namespace and resource manager, a
+fetch's timeout answer, and the Ray settings of the clusters the runtime starts."""
+
+# -- environment variables (read by pw.init, the `pathways` command and the runtime) --------------------------
+ADDRESS_ENV = "PATHWAYS_ADDRESS"  # the runtime's address, pathways://HOST:PORT
+TENANT_ENV = "PATHWAYS_TENANT"
+CREDENTIAL_ENV = "PATHWAYS_CREDENTIAL"
+TICKET_FD_ENV = "PATHWAYS_TICKET_FD"  # a job's inherited pipe holding its single-use ticket
+JOB_ENV = "PATHWAYS_JOB"  # the id of the job a process runs as
+HOME_ENV = "PATHWAYS_HOME"  # where the command and pw.init keep state and credentials (default ~/.pathways)
+
+# -- files ----------------------------------------------------------------------------------------------------
+LOGIN_FILE = "login.json"  # under $PATHWAYS_HOME: a tenant's address, name and credential (`pathways login`)
+CURRENT_FILE = "/tmp/pathways/current"  # the address of the runtime `pathways up` started on this machine
 
 NAMESPACE = "pathways"
 RESOURCE_MANAGER = "resource_manager"

@@ -16,13 +16,14 @@ A schema is a type, a tuple ``("list", item)`` / ``("map", value)`` /
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
 
 import msgpack
 
 from pathways.errors import WireFormatError
 
-VERSION = 2
+VERSION = 3
 MAX_MESSAGE_BYTES = 1 << 30  # a single control message; executables are the largest part
 MAX_ITEMS = 1 << 20  # entries of any one list or map in a message
 
@@ -32,6 +33,8 @@ AVAL = {"shape": ("list", int), "dtype": str}
 SLICE = {"key": str, "shape": ("list", int), "axes": ("list", str), "devices": ("list", ("list", int))}
 
 _SCHEMAS: dict[str, Callable[[Any], None]] = {}
+_CLASSES: dict[str, type] = {}
+T = TypeVar("T")
 
 
 def register(kind: str, schema: dict) -> None:
@@ -46,11 +49,51 @@ def check(value: Any, schema: Any, path: str) -> None:
     _validate(value, _compile(schema), path)
 
 
+def declare(kind: str, schema: dict[str, Any]) -> Callable[[type[T]], type[T]]:
+    """Make the class a frozen dataclass that is message ``kind``, with one ``schema`` entry per field: it gets
+    ``encode()``, and ``parse`` builds it from a message's bytes. A field whose schema is ``("opt", ...)`` may be
+    None, and is then left out of the message."""
+
+    def wrap(cls: type[T]) -> type[T]:
+        cls = dataclass(frozen=True)(cls)
+        names = [f.name for f in fields(cls)]
+        if set(names) != set(schema):
+            raise TypeError(f"message {kind!r}: fields {names} differ from its schema {sorted(schema)}")
+        register(kind, schema)
+        optional = {n for n, s in schema.items() if isinstance(s, tuple) and s[0] == "opt"}
+
+        def encode_message(self: Any) -> bytes:
+            """The message's wire bytes."""
+            body = {n: getattr(self, n) for n in names if not (n in optional and getattr(self, n) is None)}
+            return encode(kind, body)
+
+        cls.KIND = kind  # type: ignore[attr-defined]
+        cls.encode = encode_message  # type: ignore[attr-defined]
+        _CLASSES[kind] = cls
+        return cls
+
+    return wrap
+
+
+def parse(data: Any, *classes: type[T]) -> T:
+    """The message in ``data`` as one of ``classes`` (declared with ``declare``): schema-checked, then checked
+    in meaning by the class's ``check()`` where it has one. WireFormatError (or the check's own error)
+    otherwise."""
+    msg = decode(data, *[c.KIND for c in classes])  # type: ignore[attr-defined]
+    cls = _CLASSES[msg["kind"]]
+    out = cls(**{f.name: msg.get(f.name) for f in fields(cls)})
+    check = getattr(out, "check", None)
+    if check is not None:
+        check()
+    return out
+
+
 def _declare_all() -> None:
     """Load the modules that declare the runtime's message kinds (once; they import this module)."""
-    if "reply" not in _SCHEMAS:
+    if "answer" not in _SCHEMAS:
         import pathways.messages  # noqa: F401
         import pathways.ops  # noqa: F401
+        import pathways.requests  # noqa: F401
 
 
 def encode(kind: str, body: dict[str, Any]) -> bytes:

@@ -16,8 +16,9 @@ from typing import Any
 
 import ray
 
+from pathways import auth
 from pathways.topology import Topology
-from resource_manager.host.actor import SCHEDULE, Host
+from resource_manager.host.actor import HEALTH, SCHEDULE, HostActor
 from resource_manager.nodes import IslandPlacement, alive_nodes, reserve, user_labels
 
 
@@ -58,27 +59,27 @@ def host_runtime_env(topology: Topology) -> dict:
                          "MALLOC_ARENA_MAX": arenas}}
 
 
-def start_islands(topology: Topology, runtime_key: bytes, op_timeout: float, gap_timeout: float,
+def start_islands(topology: Topology, runtime_key: bytes, runtime_id: str, op_timeout: float, gap_timeout: float,
                   start_timeout: float) -> list[Island]:
     """Reserve every island's node and start all hosts in parallel (each island a jax.distributed group when
     it has several hosts); host 0 of each island holds its scheduler."""
     placements = reserve(topology, start_timeout)
-    started = [_create(topology, p, op_timeout, gap_timeout) for p in placements]
-    infos = _start(topology, started, runtime_key, start_timeout)
+    started = [_create(topology, p, 0, op_timeout, gap_timeout, runtime_key, runtime_id) for p in placements]
+    infos = _start(topology, [(p.island, hosts) for p, hosts in zip(placements, started)], runtime_key, start_timeout)
     return [Island(p.island, hosts, info, p) for p, hosts, info in zip(placements, started, infos)]
 
 
-def restart_island(topology: Topology, island: Island, runtime_key: bytes, op_timeout: float, gap_timeout: float,
-                   timeout: float) -> Island:
+def restart_island(topology: Topology, island: Island, runtime_key: bytes, runtime_id: str, op_timeout: float,
+                   gap_timeout: float, timeout: float) -> Island:
     """New hosts for a failed island, in its placement group: empty buffer tables, a new epoch."""
     for host in island.hosts:
         try:
             ray.kill(host, no_restart=True)
         except Exception:  # already dead: that is why it restarts
             pass
-    hosts = _create(topology, island.placement, op_timeout, gap_timeout)
+    hosts = _create(topology, island.placement, island.epoch + 1, op_timeout, gap_timeout, runtime_key, runtime_id)
     try:
-        (info,) = _start(topology, [hosts], runtime_key, timeout)
+        (info,) = _start(topology, [(island.index, hosts)], runtime_key, timeout)
     except BaseException:
         for host in hosts:
             ray.kill(host, no_restart=True)
@@ -86,22 +87,26 @@ def restart_island(topology: Topology, island: Island, runtime_key: bytes, op_ti
     return Island(island.index, hosts, info, island.placement, island.epoch + 1)
 
 
-def _create(topology: Topology, p: IslandPlacement, op_timeout: float, gap_timeout: float) -> list[Any]:
+def _create(topology: Topology, p: IslandPlacement, epoch: int, op_timeout: float, gap_timeout: float,
+            runtime_key: bytes, runtime_id: str) -> list[Any]:
     n = topology.hosts_per_island
     gpus = topology.devices_per_host if topology.platform == "gpu" else 0
-    actor = ray.remote(concurrency_groups={SCHEDULE: 1})(Host)
-    options = {"num_cpus": 0, "num_gpus": gpus, "max_concurrency": 64, "runtime_env": host_runtime_env(topology)}
-    return [actor.options(scheduling_strategy=p.strategy_for(h), **options).remote(p.island, h, n, op_timeout,
-                                                                                   gap_timeout)
+    actor = ray.remote(concurrency_groups={SCHEDULE: 1, HEALTH: 1})(HostActor)
+    options = {"num_cpus": 0, "num_gpus": gpus, "max_concurrency": 16, "runtime_env": host_runtime_env(topology)}
+    return [actor.options(scheduling_strategy=p.strategy_for(h), **options).remote(
+                p.island, h, n, epoch, op_timeout, gap_timeout, runtime_key, runtime_id)
             for h in range(n)]
 
 
-def _start(topology: Topology, islands: list[list[Any]], runtime_key: bytes, timeout: float) -> list[list[dict]]:
+def _start(topology: Topology, islands: list[tuple[int, list[Any]]], runtime_key: bytes,
+           timeout: float) -> list[list[dict]]:
+    """Start every host of these (island index, hosts) pairs; each call signed for the host it goes to."""
     n = topology.hosts_per_island
-    coordinators = ray.get([hs[0].coordinator.remote() for hs in islands], timeout=timeout) if n > 1 \
-        else [None] * len(islands)
-    starts = [[h.start.remote(runtime_key, c, topology.islands, topology.platform) for h in hs]
-              for hs, c in zip(islands, coordinators)]
+    coordinators = ray.get([hs[0].coordinator.remote(auth.sign(runtime_key, "coordinator", i, 0))
+                            for i, hs in islands], timeout=timeout) if n > 1 else [None] * len(islands)
+    starts = [[h.start.remote(auth.sign(runtime_key, "start", i, k, c or "", topology.islands, topology.platform),
+                              c, topology.islands, topology.platform) for k, h in enumerate(hs)]
+              for (i, hs), c in zip(islands, coordinators)]
     infos = [ray.get(s, timeout=timeout) for s in starts]
     nodes = alive_nodes()
     for info in infos:

@@ -1,18 +1,15 @@
-"""The resource manager: a named, detached Ray actor that outlives clients, and the runtime's authority.
+"""The resource manager's logic: the runtime's authority, as a plain object that Ray cannot call.
 
-It starts the islands and keeps them serving: it checks every host's health,
-and restarts a failed island's hosts (new actors, empty buffer tables, a new
-epoch), saying in the cluster's state what was lost. It holds the tenant
-registry, opens a session for each client that proves its tenant (a
-credential the admin issued, or a job's one-time ticket), and tells the hosts
-each session's key, tenant and weight, so that they believe no name, weight
-or id a client's message carries. It places virtual slices within each
-tenant's device quota and reclaims everything a client held once its process
-is gone (its lease actor dies with it).
+It starts the islands and keeps them serving (it checks every host's health and restarts a failed island's
+hosts with a new epoch, saying what was lost); it holds the tenant registry; it opens a session for each
+client that proves its tenant (a credential the admin issued, or a job's one-time ticket) and tells the
+hosts each session's key, tenant, weight and budgets, so that no host believes a name, weight or budget a
+client's message carries. It places virtual slices within each tenant's device quota and reclaims what a
+session held once it ends: closed, expired (not renewed), its client's connection gone longer than the
+grace period, or its credential rotated or removed.
 
-Every method answers a msgpack reply: the value, or the error as (kind,
-message). A client's requests are signed with its session key; the admin's
-carry the admin credential.
+``ManagerActor`` (``resource_manager.actor``) is how Ray holds it; clients reach it through its client
+endpoint (``resource_manager.service``), which calls the methods below with the session its connection proved.
 """
 
 from __future__ import annotations
@@ -26,36 +23,67 @@ from typing import Any
 
 import ray
 
-from pathways import auth, wire
-from pathways.errors import PathwaysError, ResourceError, TenantAccessError, to_wire
-from pathways.messages import CLIENT_ID_BITS
+from pathways import auth
+from pathways.budgets import Budgets, over
+from pathways.errors import PathwaysError, ResourceError, TenantAccessError
+from pathways.messages import (
+    CLIENT_ID_BITS,
+    EndSession,
+    Grant,
+    IslandFailed,
+    OpenSession,
+    PeerTable,
+    ReleaseTenant,
+    Revoke,
+    SetBudgets,
+    SetWeight,
+)
 from pathways.topology import Topology
 from resource_manager.island import Island, restart_island, start_islands
 from resource_manager.placement import Allocation, Inventory, place
-from resource_manager.registry import Registry, check_name, check_quota, check_weight
+from resource_manager.registry import Registry, TenantRecord, check_name, check_quota, check_weight
 
 PING_TIMEOUT = 2.0
-LEASE_PERIOD = 1.0
 ISLAND_CHECK_S = 1.0
 CENSUS_S = 1.0  # how often the buffers each tenant holds are counted (what a restart says was lost)
 STRIKES = 3  # health checks in a row without an answer before a host counts as failed
 RESTART_TIMEOUT = 120.0
 RESTART_RETRY_S = 15.0
+SESSION_TTL_S = 60.0  # a session not renewed for this long ends (clients renew every few seconds)
 TICKET_TTL_S = 600.0
 MAX_CLIENTS = (1 << (63 - CLIENT_ID_BITS)) - 1
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Config:
+    """How the runtime was started (``pathways up``'s options, or ``pw.init``'s for an embedded cluster)."""
+
+    topology: dict
+    op_timeout: float
+    gap_timeout: float
+    start_timeout: float
+    grace: float
+    admin_digest: str | None
+    registry_path: str | None = None
+    implicit: dict | None = None  # the embedded cluster's one tenant: {"tenant", "digest"}
+    default_quota: int | None = None
+    jobs_dir: str | None = None
+    job_user: str | None = None
+
+
 @dataclass
 class Client:
-    """An open client session: its tenant, session key, process id, lease actor, and the job it runs in."""
+    """An open session: its tenant, key, process id, job, and how alive its client is."""
 
     tenant: str
     key: bytes
     pid: int
-    lease: Any
     job: str
+    expires: float  # monotonic: renewals push it on
     since: float = field(default_factory=time.time)
+    connections: int = 0
+    gone_since: float | None = None  # monotonic: when its last connection to the resource manager closed
 
 
 @dataclass
@@ -68,50 +96,22 @@ class Ticket:
     used: bool = False
 
 
-def reply(fn):
-    """Wrap a method so it answers a msgpack reply, with the error (if any) as (kind, message)."""
-
-    def wrapper(self, *args: Any) -> bytes:
-        try:
-            with self._lock:
-                value = fn(self, *args)
-            return wire.encode("reply", {"ok": True, "value": value})
-        except PathwaysError as exc:  # a bad request must never take the manager down
-            return wire.encode("reply", {"ok": False, "value": list(to_wire(exc))})
-        except Exception as exc:
-            log.exception("resource manager: %s failed", fn.__name__)
-            return wire.encode("reply", {"ok": False, "value": list(to_wire(exc))})
-
-    wrapper.__name__ = fn.__name__
-    wrapper.__doc__ = fn.__doc__
-    return wrapper
-
-
 class ResourceManager:
-    """The runtime's authority: islands and their health, the tenant registry, sessions, slices, quotas.
+    """The runtime's authority: islands and their health, the tenant registry, sessions, slices, quotas."""
 
-    One detached, named actor per Ray cluster (``client.runtime.start_runtime`` creates it). It starts the
-    islands, orders their hosts (sessions, grants, weights, the table of peers) with messages signed by
-    the runtime key, and watches two things on threads of its own: clients' leases (a client whose
-    process is gone is reclaimed) and hosts' health (a failed island is restarted with new hosts). Its
-    public methods answer msgpack replies (see ``reply``); a client's are signed with its session key,
-    the admin's carry the admin credential.
-    """
-
-    def __init__(self, topology: dict, op_timeout: float, gap_timeout: float, start_timeout: float,
-                 admin_digest: str | None,
-                 registry_path: str | None = None, implicit: dict | None = None,
-                 default_quota: int | None = None) -> None:
-        self.topology = Topology.from_wire(topology)
-        self.op_timeout, self.gap_timeout = op_timeout, gap_timeout
+    def __init__(self, config: Config, runtime_key: bytes, runtime_id: str) -> None:
+        self.config = config
+        self.topology = Topology.from_wire(config.topology)
+        self.runtime_id = runtime_id
         self.started = time.time()
         self._lock = threading.RLock()
-        self._key = auth.new_key()  # the runtime key: known to this actor and its hosts only
-        self.registry = Registry(registry_path, admin_digest, default_quota)
+        self._key = runtime_key
+        self.registry = Registry(config.registry_path, config.admin_digest, config.default_quota)
+        implicit = config.implicit
         if implicit is not None and self.registry.get(implicit["tenant"]) is None:
             self.registry.add(implicit["tenant"], 1.0, None, digest=implicit["digest"])
-        self.islands: list[Island] = start_islands(self.topology, self._key, op_timeout, gap_timeout,
-                                                     start_timeout)
+        self.islands: list[Island] = start_islands(self.topology, runtime_key, runtime_id, config.op_timeout,
+                                                   config.gap_timeout, config.start_timeout)
         self.inventory = Inventory(self.topology)
         self.clients: dict[int, Client] = {}
         self.tickets: dict[str, Ticket] = {}
@@ -123,199 +123,211 @@ class ResourceManager:
         self._restarting: set[int] = set()
         self._client_ids = itertools.count(1)
         self._slice_ids = itertools.count(1)
-        self._order_all(self._peers_message())
-        threading.Thread(target=self._watch_leases, name="lease-watch", daemon=True).start()
+        self._orders = itertools.count(1)
+        self._order_all(self._peer_table())
+        threading.Thread(target=self._watch_sessions, name="session-watch", daemon=True).start()
         threading.Thread(target=self._watch_islands, name="island-watch", daemon=True).start()
 
     # -- orders to hosts ----------------------------------------------------------------------------------
-    def _order(self, hosts: list[Any], kind: str, body: dict, handles: list | None = None,
+    def _order(self, hosts: list[tuple[int, int, Any]], order: Any, handles: list | None = None,
                wait: bool = True) -> None:
-        payload = wire.encode(kind, body)
-        mac = auth.sign(self._key, "control", payload)
-        refs = [h.control.remote(payload, mac, handles) for h in hosts]
+        """Send ``order`` to each (island, host, actor): signed with the runtime key for that host, numbered
+        once (a host refuses a number it has seen)."""
+        payload, seq = order.encode(), next(self._orders)
+        refs = [h.control.remote(payload, seq, auth.sign(self._key, "control", i, k, seq, payload), handles)
+                for i, k, h in hosts]
         if not wait:
             return
         for ref in refs:
             try:
                 ray.get(ref, timeout=PING_TIMEOUT * 5)
             except Exception as exc:  # a dying host is the health check's to report
-                log.warning("a host did not take %s: %s", kind, exc)
+                log.warning("a host did not take %s: %s", type(order).__name__, exc)
 
     def _healthy(self) -> list[Island]:
         return [i for i in self.islands if i.index not in self.inventory.unhealthy]
 
-    def _order_all(self, order: tuple[str, dict, list | None]) -> None:
-        kind, body, handles = order
-        self._order([h for i in self._healthy() for h in i.hosts], kind, body, handles)
+    def _hosts(self, islands: list[Island]) -> list[tuple[int, int, Any]]:
+        return [(i.index, k, h) for i in islands for k, h in enumerate(i.hosts)]
 
-    def _peers_message(self) -> tuple[str, dict, list]:
+    def _order_all(self, order: Any, handles: list | None = None, wait: bool = True) -> None:
+        if isinstance(order, tuple):
+            order, handles = order
+        self._order(self._hosts(self._healthy()), order, handles, wait)
+
+    def _peer_table(self) -> tuple[PeerTable, list]:
         infos = [info for i in self.islands for info in i.host_info]
         hosts = [{"island": h["island"], "host": h["host"], "node": h["node"], "pid": h["pid"],
                   "channel": h["channel"], "data": h["data"]} for h in infos]
-        return "peers", {"hosts": hosts}, [h for i in self.islands for h in i.hosts]
+        return PeerTable(hosts), [h for i in self.islands for h in i.hosts]
+
+    def sign_for(self, island: int, host: int, purpose: str, *parts: Any) -> bytes:
+        """The runtime key's MAC for a call to host ``host`` of ``island``."""
+        return auth.sign(self._key, purpose, island, host, *parts)
+
+    # -- what anyone may ask ------------------------------------------------------------------------------
+    def ready(self) -> dict:
+        """The runtime's topology and identity: what a client checks before it opens a session."""
+        return {"topology": self.topology.to_wire(), "started": self.started, "runtime": self.runtime_id}
+
+    def whoami(self, tenant: str, credential: str) -> dict:
+        """Whether a credential is the admin's or ``tenant``'s (TenantAccessError for neither)."""
+        if self.registry.is_admin(credential):
+            return {"admin": True, "tenant": None}
+        return {"admin": False, "tenant": self.registry.authenticate(tenant, credential).name}
 
     # -- sessions -----------------------------------------------------------------------------------------
-    def ready(self) -> bytes:
-        """The runtime's topology (public): what a client checks before it opens a session."""
-        return wire.encode("reply", {"ok": True, "value": {"topology": self.topology.to_wire(),
-                                                           "started": self.started}})
-
-    def open_session(self, payload: bytes, lease: Any = None) -> tuple[bytes, list]:
-        """A new client session for the tenant a credential (or a job's ticket) proves: its id, its key, and
-        the islands' hosts. Returns (reply, host handles per island)."""
-        out = self._open(payload, lease)
-        ok = wire.decode(out, "reply")["ok"]
-        return out, [i.hosts for i in self.islands] if ok else []
-
-    @reply
-    def _open(self, payload: bytes, lease: Any) -> dict:
-        msg = wire.decode(payload, "open")
-        if msg.get("ticket"):
-            tenant = self._redeem(msg["ticket"], msg.get("job") or "")
-            record = self.registry.get(tenant)
-            if record is None:
-                raise TenantAccessError("the ticket's tenant no longer exists")
-        else:
-            record = self.registry.authenticate(msg["tenant"], msg.get("credential"))
-        client = next(self._client_ids)
-        if client > MAX_CLIENTS:
-            raise ResourceError("this runtime has opened all the sessions it can; restart it")
-        key = auth.new_key()
-        self.clients[client] = Client(record.name, key, msg["pid"], lease, msg.get("job") or "")
-        self._order_all(("session", {"client": client, "tenant": record.name, "key": key,
-                                     "weight": record.weight}, None))
-        return {"client": client, "key": key, "tenant": record.name, "weight": record.weight,
-                "quota": record.quota, "topology": self.topology.to_wire(), "islands": self._islands_public()}
+    def open_session(self, tenant: str, credential: str | None, ticket: str | None, pid: int,
+                     job: str | None) -> tuple[int, bytes, dict]:
+        """A new session for the tenant a credential (or a job's ticket) proves: (client id, session key, the
+        answer the client gets: its tenant, weight, quota, budgets, the topology and the islands' hosts)."""
+        with self._lock:
+            if ticket:
+                name = self._redeem(ticket, job or "")
+                record = self.registry.get(name)
+                if record is None:
+                    raise TenantAccessError("the ticket's tenant no longer exists")
+            else:
+                record = self.registry.authenticate(tenant, credential)
+            limits = record.limits
+            open_now = sum(1 for c in self.clients.values() if c.tenant == record.name)
+            if open_now >= limits.sessions:
+                raise over("sessions", open_now, 1, limits.sessions, "sessions")
+            client = next(self._client_ids)
+            if client > MAX_CLIENTS:
+                raise ResourceError("this runtime has opened all the sessions it can; restart it")
+            key = auth.new_key()
+            self.clients[client] = Client(record.name, key, pid, job or "", time.monotonic() + SESSION_TTL_S)
+            self._order_all(OpenSession(client, record.name, key, record.weight, limits.to_wire()))
+            return client, key, {"client": client, "tenant": record.name, "weight": record.weight,
+                                 "quota": record.quota, "budgets": limits.to_wire(),
+                                 "topology": self.topology.to_wire(), "runtime": self.runtime_id,
+                                 "ttl": SESSION_TTL_S, "islands": self._islands_public()}
 
     def _redeem(self, ticket: str, job: str) -> str:
         record = self.tickets.get(auth.digest(ticket)) if isinstance(ticket, str) else None
         if record is None or record.expires < time.time():
             raise TenantAccessError("unknown or expired ticket; submit the job again with `pathways submit`")
-        if record.used:
+        if record.used or record.job != job:
             self.refusals.append({"at": time.time(), "job": record.job, "by_job": job})
-            log.warning("refused a second use of the ticket issued for job %s (presented by job %r)", record.job,
-                        job)
-            raise TenantAccessError(f"the ticket of job {record.job} was already used; a ticket opens one session")
+            log.warning("refused a ticket of job %s (presented by job %r, used before: %s)", record.job, job,
+                        record.used)
+            raise TenantAccessError(f"the ticket of job {record.job} was already used or belongs to another job; a "
+                                    "ticket opens one session, for its own job")
         record.used = True
         return record.tenant
 
-    def issue_ticket(self, payload: bytes) -> bytes:
-        """A single-use ticket for one job of a tenant (whose credential the caller holds): the job exchanges
-        it for a session, so the credential itself never travels through Ray's job API."""
-        return self._issue_ticket(payload)
-
-    @reply
-    def _issue_ticket(self, payload: bytes) -> str:
-        msg = wire.decode(payload, "ticket")
-        record = self.registry.authenticate(msg["tenant"], msg["credential"])
-        now = time.time()
-        self.tickets = {d: t for d, t in self.tickets.items() if t.expires > now}  # a used one stays, to log reuse
-        ticket = auth.new_secret()
-        self.tickets[auth.digest(ticket)] = Ticket(record.name, msg["job"], now + TICKET_TTL_S)
-        return ticket
-
-    def whoami(self, payload: bytes) -> bytes:
-        """Whether a tenant credential (or the admin credential) is valid: what the CLI checks before acting
-        on a tenant's jobs."""
-        return self._whoami(payload)
-
-    @reply
-    def _whoami(self, payload: bytes) -> dict:
-        msg = wire.decode(payload, "ticket")
-        if self.registry.is_admin(msg["credential"]):
-            return {"admin": True, "tenant": None}
-        return {"admin": False, "tenant": self.registry.authenticate(msg["tenant"], msg["credential"]).name}
-
-    def request(self, client: int, payload: bytes, mac: bytes) -> bytes:
-        """A client's request, signed with its session key: allocate, release, close, state, suspect."""
-        return self._request(client, payload, mac)
-
-    @reply
-    def _request(self, client: int, payload: bytes, mac: bytes) -> Any:
-        session = self.clients.get(client) if isinstance(client, int) else None
-        if session is None or not auth.verify(session.key, mac, "rm", payload):
-            raise TenantAccessError("the request is not signed by a session this runtime knows (closed, "
-                                    "reclaimed, or never opened)")
-        msg = wire.decode(payload, "allocate", "release", "close", "state", "suspect")
-        kind = msg["kind"]
-        if kind == "allocate":
-            return self._allocate(client, session.tenant, msg)
-        if kind == "release":
-            return self._release(session.tenant, msg["slice"])
-        if kind == "close":
-            self._forget(client, free_buffers=False)
-            return None
-        if kind == "suspect":
-            self._suspect(msg["island"], msg["reason"])
-            return None
-        return self._state(session.tenant)
-
-    def hosts(self, client: int, mac: bytes) -> tuple[bytes, list]:
-        """A reply with each island's epoch, and the islands' host handles (after a restart, clients take the
-        new hosts from here)."""
-        session = self.clients.get(client) if isinstance(client, int) else None
-        if session is None or not auth.verify(session.key, mac, "hosts"):
-            refusal = TenantAccessError("the request is not signed by a session this runtime knows")
-            return wire.encode("reply", {"ok": False, "value": list(to_wire(refusal))}), []
+    def issue_ticket(self, tenant: str, job: str) -> str:
+        """A single-use ticket for job ``job`` of ``tenant`` (the job runner hands it to the job's process)."""
         with self._lock:
-            return (wire.encode("reply", {"ok": True, "value": [i.epoch for i in self.islands]}),
-                    [i.hosts for i in self.islands])
+            now = time.time()
+            self.tickets = {d: t for d, t in self.tickets.items() if t.expires > now}  # used ones stay, to log reuse
+            ticket = auth.new_secret()
+            self.tickets[auth.digest(ticket)] = Ticket(tenant, job, now + TICKET_TTL_S)
+            return ticket
 
-    def _forget(self, client: int, free_buffers: bool, why: str = "closed") -> dict:
+    def caller(self, client: int) -> tuple[bytes, str, Budgets] | None:
+        """The session's key, tenant and budgets, for its connections' handshakes (None once it ended)."""
+        session = self.clients.get(client)
+        if session is None:
+            return None
+        record = self.registry.get(session.tenant)
+        return session.key, session.tenant, record.limits if record is not None else Budgets()
+
+    def connected(self, client: int, up: bool) -> None:
+        """A connection of ``client`` to the resource manager opened (``up``) or closed: a session whose client
+        keeps no connection for longer than the grace period ends."""
+        with self._lock:
+            session = self.clients.get(client)
+            if session is None:
+                return
+            session.connections += 1 if up else -1
+            session.gone_since = None if session.connections > 0 else time.monotonic()
+
+    def renew(self, client: int) -> dict:
+        """Keep the session alive; each island's epoch and health, with the hosts of every island (a client
+        reconnects to an island whose epoch changed)."""
+        with self._lock:
+            session = self._session(client)
+            session.expires = time.monotonic() + SESSION_TTL_S
+            return {"islands": self._islands_public()}
+
+    def _session(self, client: int) -> Client:
+        session = self.clients.get(client)
+        if session is None:
+            raise TenantAccessError("this session has ended (closed, expired or reclaimed); call pw.init() again")
+        return session
+
+    def close(self, client: int) -> None:
+        """The client ends its session: its slices are released and its buffers freed."""
+        with self._lock:
+            self._forget(client, free_buffers=True, why="closed")
+
+    def _forget(self, client: int, free_buffers: bool, why: str) -> dict:
         info = self.clients.pop(client, None)
         keys = [k for k, a in self.inventory.allocations.items() if a.client == client]
         for key in keys:
             alloc = self.inventory.allocations.pop(key)
-            self._order([self.islands[alloc.island].scheduler], "revoke", {"keys": [key]})
-        for island in self._healthy():
-            self._order(island.hosts, "end_session", {"client": client, "free": free_buffers}, wait=False)
+            self._order(self._hosts([self.islands[alloc.island]])[:1], Revoke([key]), wait=False)
+        self._order_all(EndSession(client, free_buffers), wait=False)
         record = {"client": client, "tenant": info.tenant if info else None, "slices": keys, "why": why,
                   "at": time.time()}
         if info is not None and why != "closed":
             self.reclaimed.append(record)
             self.reclaimed = self.reclaimed[-100:]
+            log.warning("reclaimed client %s of tenant %s: %s", client, info.tenant, why)
         return record
 
-    def _watch_leases(self) -> None:
-        """Reclaim the slices and buffers of every client whose process is gone."""
+    def _end_tenant_sessions(self, tenant: str, why: str) -> None:
+        """End every session of ``tenant`` and void its unredeemed tickets (its credential changed or it left)."""
+        for client in [c for c, s in self.clients.items() if s.tenant == tenant]:
+            self._forget(client, free_buffers=True, why=why)
+        for ticket in self.tickets.values():
+            if ticket.tenant == tenant:
+                ticket.used = True
+
+    def _watch_sessions(self) -> None:
+        """End sessions that were not renewed, or whose client's connection has been gone past the grace."""
         while True:
-            time.sleep(LEASE_PERIOD)
-            with self._lock:
-                leases = {c: s.lease for c, s in self.clients.items() if s.lease is not None}
-            pings = {c: lease.ping.remote() for c, lease in leases.items()}
-            ray.wait(list(pings.values()), num_returns=len(pings), timeout=PING_TIMEOUT)
-            for client, ref in pings.items():
-                try:
-                    ray.get(ref, timeout=0)
-                except ray.exceptions.GetTimeoutError:
-                    continue
-                except Exception:  # the lease died with its client process
-                    with self._lock:
-                        if client in self.clients:
-                            record = self._forget(client, free_buffers=True, why="its process ended")
-                            log.warning("reclaimed client %s of tenant %s", client, record["tenant"])
+            time.sleep(0.5)
+            try:
+                now = time.monotonic()
+                with self._lock:
+                    for client, s in list(self.clients.items()):
+                        if s.gone_since is not None and now - s.gone_since > self.config.grace:
+                            self._forget(client, True, f"its connection was gone for {self.config.grace:.0f}s")
+                        elif now > s.expires:
+                            self._forget(client, True, f"it was not renewed for {SESSION_TTL_S:.0f}s")
+            except Exception:  # the watch must outlive any one mistake
+                log.exception("resource manager: watching sessions failed")
 
     # -- slices -------------------------------------------------------------------------------------------
-    def _allocate(self, client: int, tenant: str, msg: dict) -> dict:
-        shape, axes = tuple(msg["shape"]), tuple(msg["axes"])
-        island, devices = place(self.inventory, shape, axes, msg.get("island"))
-        record = self.registry.get(tenant)
-        quota = record.quota if record is not None else None
-        held = sum(len(a.devices) for a in self.inventory.allocations.values() if a.tenant == tenant)
-        if quota is not None and held + len(devices) > quota:
-            raise ResourceError(f"tenant {tenant!r} asked for a slice of shape {shape} ({len(devices)} devices) "
-                                f"but holds {held} of its quota of {quota} devices; release a slice first")
-        alloc = Allocation(f"s{next(self._slice_ids)}", tenant, client, island, shape, axes, devices)
-        self._order([self.islands[island].scheduler], "grant", {"slice": alloc.desc().to_wire(), "tenant": tenant})
-        self.inventory.allocations[alloc.key] = alloc
-        return alloc.to_wire()
+    def allocate(self, client: int, shape: list, axes: list, island: int | None) -> dict:
+        """A virtual slice for the client's tenant, within its device quota."""
+        with self._lock:
+            tenant = self._session(client).tenant
+            shape_t, axes_t = tuple(shape), tuple(axes)
+            where, devices = place(self.inventory, shape_t, axes_t, island)
+            record = self.registry.get(tenant)
+            quota = record.quota if record is not None else None
+            held = sum(len(a.devices) for a in self.inventory.allocations.values() if a.tenant == tenant)
+            if quota is not None and held + len(devices) > quota:
+                raise ResourceError(f"tenant {tenant!r} asked for a slice of shape {shape_t} ({len(devices)} devices) "
+                                    f"but holds {held} of its quota of {quota} devices; release a slice first")
+            alloc = Allocation(f"s{next(self._slice_ids)}", tenant, client, where, shape_t, axes_t, devices)
+            self._order(self._hosts([self.islands[where]])[:1], Grant(alloc.desc().to_wire(), tenant))
+            self.inventory.allocations[alloc.key] = alloc
+            return alloc.to_wire()
 
-    def _release(self, tenant: str, key: str) -> None:
-        alloc = self.inventory.allocations.get(key)
-        if alloc is None or alloc.tenant != tenant:
-            raise ResourceError(f"you hold no slice {key!r}")
-        del self.inventory.allocations[key]
-        self._order([self.islands[alloc.island].scheduler], "revoke", {"keys": [key]}, wait=False)
+    def release(self, client: int, key: str) -> None:
+        """Free slice ``key`` of the client's tenant."""
+        with self._lock:
+            tenant = self._session(client).tenant
+            alloc = self.inventory.allocations.get(key)
+            if alloc is None or alloc.tenant != tenant:
+                raise ResourceError(f"you hold no slice {key!r}")
+            del self.inventory.allocations[key]
+            self._order(self._hosts([self.islands[alloc.island]])[:1], Revoke([key]), wait=False)
 
     # -- island health ------------------------------------------------------------------------------------
     def _watch_islands(self) -> None:
@@ -332,10 +344,9 @@ class ResourceManager:
 
     def _check_islands(self, only: int | None = None) -> None:
         with self._lock:
-            islands = [i for i in self.islands if i.index not in self._restarting and (only is None or
-                                                                                      i.index == only)]
+            islands = [i for i in self.islands if i.index not in self._restarting and only in (None, i.index)]
         for island in islands:
-            refs = [h.health.remote() for h in island.hosts]
+            refs = [h.health.remote(self.sign_for(island.index, k, "health")) for k, h in enumerate(island.hosts)]
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=PING_TIMEOUT)
             reason = None
             for k, ref in enumerate(refs):
@@ -356,17 +367,17 @@ class ResourceManager:
             if reason is not None:
                 self._island_failed(island, reason)
 
-    def _suspect(self, island: int, reason: str) -> None:
+    def suspect(self, client: int, island: int, reason: str) -> None:
         """A client saw an island fail: check it now (the client's word alone marks nothing)."""
-        if not isinstance(island, int) or not 0 <= island < len(self.islands):
+        self._session(client)
+        if not 0 <= island < len(self.islands):
             raise ResourceError(f"no island {island!r}")
         threading.Thread(target=self._check_islands, args=(island,), daemon=True).start()
 
     def _take_census(self) -> None:
         """What each island holds per tenant, kept so a restart can say what was lost."""
         for island in self._healthy():
-            mac = auth.sign(self._key, "census")
-            refs = [h.census.remote(mac) for h in island.hosts]
+            refs = [h.census.remote(self.sign_for(island.index, k, "census")) for k, h in enumerate(island.hosts)]
             try:
                 counts = ray.get(refs, timeout=PING_TIMEOUT)
             except Exception:  # the health check handles a host that does not answer
@@ -385,15 +396,15 @@ class ResourceManager:
             self._restarting.add(island.index)
             self.inventory.unhealthy[island.index] = reason
             lost = self._census.pop(island.index, {})
-        log.error("island %d failed: %s; restarting it", island.index, reason)
-        for other in self._healthy():
-            self._order(other.hosts, "island_failed", {"island": island.index}, wait=False)
+            log.error("island %d failed: %s; restarting it", island.index, reason)
+            self._order_all(IslandFailed(island.index), wait=False)
         threading.Thread(target=self._restart, args=(island, reason, lost), name="island-restart", daemon=True).start()
 
     def _restart(self, island: Island, reason: str, lost: dict) -> None:
+        c = self.config
         while True:
             try:
-                new = restart_island(self.topology, island, self._key, self.op_timeout, self.gap_timeout,
+                new = restart_island(self.topology, island, self._key, self.runtime_id, c.op_timeout, c.gap_timeout,
                                      RESTART_TIMEOUT)
                 break
             except Exception as exc:  # no node for it yet: stay unhealthy, try again
@@ -403,15 +414,17 @@ class ResourceManager:
                 time.sleep(RESTART_RETRY_S)
         with self._lock:
             self.islands[island.index] = new
-            kind, body, handles = self._peers_message()  # every host, the new ones too, learns the new table
-            self._order([h for i in self.islands if i.index not in self.inventory.unhealthy or i is new
-                         for h in i.hosts], kind, body, handles)
+            table, handles = self._peer_table()  # every host, the new ones too, learns the new table
+            self._order(self._hosts([i for i in self.islands if i.index not in self.inventory.unhealthy or i is new]),
+                        table, handles)
             for client, s in self.clients.items():
-                self._order(new.hosts, "session", {"client": client, "tenant": s.tenant, "key": s.key,
-                                                   "weight": self._weight(s.tenant)})
+                record = self.registry.get(s.tenant)
+                limits = record.limits if record is not None else Budgets()
+                self._order(self._hosts([new]), OpenSession(client, s.tenant, s.key, self._weight(s.tenant),
+                                                            limits.to_wire()))
             for alloc in self.inventory.allocations.values():
                 if alloc.island == island.index:
-                    self._order([new.scheduler], "grant", {"slice": alloc.desc().to_wire(), "tenant": alloc.tenant})
+                    self._order(self._hosts([new])[:1], Grant(alloc.desc().to_wire(), alloc.tenant))
             self.inventory.unhealthy.pop(island.index, None)
             self._restarting.discard(island.index)
             self.restarts.append({"island": island.index, "epoch": new.epoch, "at": time.time(), "reason": reason,
@@ -424,76 +437,95 @@ class ResourceManager:
         return record.weight if record is not None else 1.0
 
     # -- the admin ----------------------------------------------------------------------------------------
-    def admin(self, payload: bytes) -> bytes:
-        """The cluster admin's operations (the admin credential rides in the request): tenants, quotas,
-        weights, marking islands, reclaiming sessions, the whole state."""
-        return self._admin(payload)
-
-    @reply
-    def _admin(self, payload: bytes) -> Any:
-        msg = wire.decode(payload, "admin")
-        if not self.registry.is_admin(msg["credential"]):
+    def admin(self, credential: str, op: str, args: dict) -> Any:
+        """One of the cluster admin's operations; TenantAccessError without the admin credential."""
+        if not self.registry.is_admin(credential):
             raise TenantAccessError("this operation needs the cluster's admin credential (the file `pathways up` "
                                     "wrote, readable by its owner only)")
-        op, args = msg["op"], msg["args"]
-        if op == "tenants":
-            return self._tenants()
-        if op == "tenant_add":
-            return {"credential": self.registry.add(check_name(args.get("name")), args.get("weight", 1.0),
-                                                    check_quota(args.get("quota")))}
-        if op == "tenant_set":
-            quota = check_quota(args["quota"]) if "quota" in args else "keep"
-            weight = check_weight(args["weight"]) if args.get("weight") is not None else None
-            secret = self.registry.set(args.get("name"), weight, quota, bool(args.get("new_credential")))
-            if weight is not None:
-                for island in self._healthy():
-                    self._order([island.scheduler], "weight", {"tenant": args["name"], "weight": weight})
-            return {"credential": secret}
-        if op == "tenant_remove":
-            name = args.get("name")
-            self.registry.remove(name)
-            for client in [c for c, s in self.clients.items() if s.tenant == name]:
-                self._forget(client, free_buffers=True, why="its tenant was removed")
-            return None
-        if op == "reclaim":
-            clients = [c for c, s in self.clients.items() if s.tenant == args.get("tenant")
-                       or c == args.get("client")]
-            return [self._forget(c, free_buffers=True, why="reclaimed by the admin") for c in clients]
-        if op == "mark":
-            island = args.get("island")
-            if not isinstance(island, int) or not 0 <= island < len(self.islands):
-                raise ResourceError(f"no island {island!r}")
-            if args.get("healthy"):
-                self.inventory.unhealthy.pop(island, None)
-            else:
-                self.inventory.unhealthy[island] = str(args.get("reason") or "marked unhealthy by the admin")
-            return None
-        if op == "state":
-            return self._state(None)
-        if op == "schedule":
-            mac = auth.sign(self._key, "tenant_schedule")
-            return [ray.get(i.scheduler.tenant_schedule.remote(mac), timeout=PING_TIMEOUT * 5)
-                    for i in self._healthy()]
-        if op == "probe_network":
-            (si, sh), (di, dh), nbytes = args["src"], args["dst"], args["nbytes"]
-            mac = auth.sign(self._key, "probe_network", di, dh, nbytes)
-            return ray.get(self.islands[si].hosts[sh].probe_network.remote(mac, di, dh, nbytes), timeout=600)
-        if op == "usage":
-            self._take_census()
-            return {str(i): {t: list(v) for t, v in c.items()} for i, c in self._census.items()}
-        raise ResourceError(f"unknown admin operation {op!r}")
-
-    def admin_hosts(self, payload: bytes) -> tuple[bytes, list]:
-        """A reply with each island's epoch, and the islands' host handles, for the admin's tools."""
-        try:
-            msg = wire.decode(payload, "admin")
-            if not self.registry.is_admin(msg["credential"]):
-                raise TenantAccessError("this operation needs the cluster's admin credential")
-        except PathwaysError as exc:
-            return wire.encode("reply", {"ok": False, "value": list(to_wire(exc))}), []
+        handler = self._admin_ops().get(op)
+        if handler is None:
+            raise ResourceError(f"unknown admin operation {op!r}; known: {', '.join(sorted(self._admin_ops()))}")
         with self._lock:
-            return (wire.encode("reply", {"ok": True, "value": [i.epoch for i in self.islands]}),
-                    [i.hosts for i in self.islands])
+            return handler(args)
+
+    def _admin_ops(self) -> dict[str, Any]:
+        return {"tenants": lambda a: self._tenants(), "tenant_add": self._tenant_add, "tenant_set": self._tenant_set,
+                "tenant_remove": self._tenant_remove, "reclaim": self._reclaim, "mark": self._mark,
+                "state": lambda a: self.state(None), "schedule": lambda a: self._schedules(),
+                "host_stats": lambda a: self._host_stats(), "probe_network": self._probe_network,
+                "usage": lambda a: self._usage()}
+
+    def _tenant_add(self, args: dict) -> dict:
+        return {"credential": self.registry.add(check_name(args.get("name")), args.get("weight", 1.0),
+                                                check_quota(args.get("quota")), budgets=args.get("budgets"))}
+
+    def _tenant_set(self, args: dict) -> dict:
+        name = args.get("name")
+        quota = check_quota(args["quota"]) if "quota" in args else "keep"
+        weight = check_weight(args["weight"]) if args.get("weight") is not None else None
+        budgets = args.get("budgets") or None
+        secret = self.registry.set(name, weight, quota, bool(args.get("new_credential")), budgets)
+        record: TenantRecord = self.registry.get(name)
+        if weight is not None:
+            self._order(self._hosts([i for i in self._healthy()]), SetWeight(name, weight))
+        if budgets:
+            self._order_all(SetBudgets(name, record.limits.to_wire()))
+        if secret is not None:
+            self._end_tenant_sessions(name, "its credential was rotated")
+        return {"credential": secret}
+
+    def _tenant_remove(self, args: dict) -> None:
+        name = args.get("name")
+        self.registry.remove(name)
+        self._end_tenant_sessions(name, "its tenant was removed")
+        self._order_all(ReleaseTenant(name), wait=False)
+
+    def _reclaim(self, args: dict) -> list[dict]:
+        clients = [c for c, s in self.clients.items() if s.tenant == args.get("tenant") or c == args.get("client")]
+        return [self._forget(c, free_buffers=True, why="reclaimed by the admin") for c in clients]
+
+    def _mark(self, args: dict) -> None:
+        island = args.get("island")
+        if not isinstance(island, int) or not 0 <= island < len(self.islands):
+            raise ResourceError(f"no island {island!r}")
+        if args.get("healthy"):
+            self.inventory.unhealthy.pop(island, None)
+        else:
+            self.inventory.unhealthy[island] = str(args.get("reason") or "marked unhealthy by the admin")
+
+    def _schedules(self) -> list[dict]:
+        out = []
+        for i in self._healthy():
+            try:
+                out.append(ray.get(i.scheduler.tenant_schedule.remote(self.sign_for(i.index, 0, "tenant_schedule")),
+                                   timeout=PING_TIMEOUT * 5))
+            except Exception:  # a host that does not answer is the health check's to report
+                continue
+        return out
+
+    def _host_stats(self) -> list[list[dict | None]]:
+        refs = [[h.stats.remote(self.sign_for(i.index, k, "stats")) for k, h in enumerate(i.hosts)]
+                for i in self.islands]
+        out = []
+        for row in refs:
+            stats = []
+            for ref in row:
+                try:
+                    stats.append(ray.get(ref, timeout=PING_TIMEOUT * 5))
+                except Exception:  # reported as not alive
+                    stats.append(None)
+            out.append(stats)
+        return out
+
+    def _probe_network(self, args: dict) -> float:
+        (si, sh), (di, dh), nbytes = args["src"], args["dst"], args["nbytes"]
+        host = self.islands[si].hosts[sh]
+        return ray.get(host.probe_network.remote(self.sign_for(si, sh, "probe_network", di, dh, nbytes), di, dh,
+                                                 nbytes), timeout=600)
+
+    def _usage(self) -> dict:
+        self._take_census()
+        return {str(i): {t: list(v) for t, v in c.items()} for i, c in self._census.items()}
 
     def _tenants(self) -> list[dict]:
         out = []
@@ -508,11 +540,16 @@ class ResourceManager:
         return [{"index": i.index, "epoch": i.epoch, "healthy": i.index not in self.inventory.unhealthy,
                  "reason": self.inventory.unhealthy.get(i.index, ""),
                  "hosts": [{k: h[k] for k in ("island", "host", "node", "ip", "devices", "node_labels",
-                                              "memory_bytes", "device_bytes", "channel", "data")}
+                                              "memory_bytes", "device_bytes", "channel", "data", "client")}
                            for h in i.host_info]}
                 for i in self.islands]
 
-    def _state(self, tenant: str | None) -> dict:
+    def state_of(self, client: int) -> dict:
+        """The cluster as the client's tenant may see it."""
+        with self._lock:
+            return self.state(self._session(client).tenant)
+
+    def state(self, tenant: str | None) -> dict:
         """The cluster as ``tenant`` may see it (its own slices, clients and losses by name; others as counts),
         or whole for the admin (``tenant`` None)."""
         def mine(t: str | None) -> bool:
@@ -534,3 +571,9 @@ class ResourceManager:
             "reclaimed": [r for r in self.reclaimed if mine(r["tenant"])][-20:],
             "refusals": self.refusals[-20:] if tenant is None else [],
         }
+
+
+def check_open(msg: Any) -> None:
+    """PathwaysError unless an open request names a credential or a ticket (one of them)."""
+    if not msg.credential and not msg.ticket:
+        raise PathwaysError("opening a session needs a credential or a job's ticket")

@@ -15,10 +15,11 @@ import math
 import os
 import re
 import threading
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from pathways import auth
+from pathways.budgets import Budgets
 from pathways.errors import ResourceError, TenantAccessError
 
 TENANT_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
@@ -34,10 +35,16 @@ class TenantRecord:
     weight: float
     quota: int | None  # devices the tenant's slices may take at once (None: no limit)
     credential: str  # SHA-256 digest
+    budgets: dict = field(default_factory=dict)  # the budgets the admin set (``Budgets`` fills in the rest)
+
+    @property
+    def limits(self) -> Budgets:
+        """Every budget of the tenant: the admin's, and the defaults for the rest."""
+        return Budgets.from_wire(self.budgets)
 
     def public(self) -> dict:
         """The record without its credential digest."""
-        return {"name": self.name, "weight": self.weight, "quota": self.quota}
+        return {"name": self.name, "weight": self.weight, "quota": self.quota, "budgets": self.limits.to_wire()}
 
 
 def check_name(name: object) -> str:
@@ -102,28 +109,35 @@ class Registry:
         return isinstance(credential, str) and self.admin_digest is not None and auth.matches(credential,
                                                                                              self.admin_digest)
 
-    def add(self, name: str, weight: float = 1.0, quota: int | None = None, digest: str | None = None) -> str | None:
+    def add(self, name: str, weight: float = 1.0, quota: int | None = None, digest: str | None = None,
+            budgets: dict | None = None) -> str | None:
         """Register a tenant; returns its new credential (shown once, never stored), or None when the caller
         gave the credential's ``digest`` (a client that starts its own embedded cluster)."""
         name, weight = check_name(name), check_weight(weight)
         quota = self.default_quota if quota is None else check_quota(quota)
+        changes = Budgets().with_changes(budgets or {}) and dict(budgets or {})  # checked before anything changes
         secret = None if digest else auth.new_secret()
         with self._lock:
             if name in self.tenants:
                 raise ResourceError(f"tenant {name!r} already exists; `pathways tenants set` changes it")
-            self.tenants[name] = TenantRecord(name, weight, quota, digest or auth.digest(secret))
+            self.tenants[name] = TenantRecord(name, weight, quota, digest or auth.digest(secret), changes)
             self._save()
         return secret
 
     def set(self, name: str, weight: float | None = None, quota: int | None | str = "keep",
-            new_credential: bool = False) -> str | None:
-        """Change a tenant's weight, quota (None: no limit) or credential; returns a new credential if asked."""
+            new_credential: bool = False, budgets: dict | None = None) -> str | None:
+        """Change a tenant's weight, quota (None: no limit), budgets (merged into the ones it has) or credential;
+        returns a new credential if asked."""
         with self._lock:
             record = self._get(name)
+            if budgets:
+                record.limits.with_changes(budgets)  # refuses an unknown budget or a bad value
             if weight is not None:
                 record.weight = check_weight(weight)
             if quota != "keep":
                 record.quota = check_quota(quota)
+            if budgets:
+                record.budgets = {**record.budgets, **budgets}
             secret = None
             if new_credential:
                 secret = auth.new_secret()

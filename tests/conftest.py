@@ -19,7 +19,6 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 import numpy as np
 import psutil
 import pytest
-import ray
 
 import pathways as pw
 
@@ -47,23 +46,23 @@ def ray_daemons() -> list[str]:
 
 @pytest.fixture(autouse=True)
 def unit_tests_start_no_ray(request, monkeypatch):
-    """A unit test (not marked ``cluster``) may not start Ray: ``ray.init`` raises, and a Ray daemon left
-    running by the test, or Ray initialized in this process, fails it. When a cluster test already started
-    Ray in this session, there is nothing to compare against, and the test runs as it is."""
-    if request.node.get_closest_marker("cluster") is not None or ray.is_initialized() or ray_daemons():
+    """A unit test (not marked ``cluster``) may not start a cluster: starting an embedded one raises, and a Ray
+    daemon left running by the test fails it. When a cluster test already started one in this session, there
+    is nothing to compare against, and the test runs as it is."""
+    if request.node.get_closest_marker("cluster") is not None or ray_daemons():
         yield
         return
     name = request.node.nodeid
 
     def refuse(*args, **kwargs):
-        raise RuntimeError(f"{name} is in the unit tier but starts Ray: mark it pytest.mark.cluster")
+        raise RuntimeError(f"{name} is in the unit tier but starts a cluster: mark it pytest.mark.cluster")
 
-    monkeypatch.setattr(ray, "init", refuse)
+    import client.runtime
+
+    monkeypatch.setattr(client.runtime.Embedded, "__init__", refuse)
     yield
     started = ray_daemons()
-    assert not ray.is_initialized() and not started, (
-        f"{name} is in the unit tier but started Ray ({', '.join(started) or 'ray.init'}): mark it "
-        "pytest.mark.cluster")
+    assert not started, f"{name} is in the unit tier but started Ray ({', '.join(started)}): mark it cluster"
 
 
 @pytest.fixture
@@ -79,7 +78,7 @@ def restored_environ():
 @pytest.fixture(scope="session")
 def cluster():
     session = pw.init(topology=pw.Topology(islands=2, hosts_per_island=1, devices_per_host=4),
-                      timeouts=pw.Timeouts(fetch=60.0, op=30.0, gap=5.0))
+                      timeouts=pw.Timeouts(fetch=60.0, op=30.0, gap=5.0, grace=2.0))
     yield session
     pw.shutdown()
 
@@ -114,7 +113,7 @@ def assert_spmd_checks(checks: dict) -> None:
 
 
 def host_stats(session, island: int, host: int = 0) -> dict:
-    return ray.get(session.islands[island].hosts[host].stats.remote(), timeout=30)
+    return session.host_stats(island, host)
 
 
 def tenant_env(tenant: str, weight: float = 1.0, quota: int | None = None) -> dict:
@@ -125,8 +124,7 @@ def tenant_env(tenant: str, weight: float = 1.0, quota: int | None = None) -> di
         credential = admin.set_tenant(tenant, weight=weight, quota=quota, new_credential=True)
     else:
         credential = admin.add_tenant(tenant, weight=weight, quota=quota)
-    return dict(os.environ, RAY_ADDRESS=ray.get_runtime_context().gcs_address, PATHWAYS_TENANT=tenant,
-                PATHWAYS_CREDENTIAL=credential)
+    return dict(os.environ, PATHWAYS_ADDRESS=pw.init().address, PATHWAYS_TENANT=tenant, PATHWAYS_CREDENTIAL=credential)
 
 
 def settle(session, islands=(0, 1), expect=None, timeout: float = 10.0) -> list[int]:
@@ -141,3 +139,27 @@ def settle(session, islands=(0, 1), expect=None, timeout: float = 10.0) -> list[
         if counts == list(expect if expect is not None else last or []) or time.monotonic() > deadline:
             return counts
         last = counts
+
+
+def raw_connection(session, island: int | None = None, host: int = 0, key: bytes | None = None,
+                   client: int | None = None):
+    """A bare protocol connection, as any process could open one: to host ``host`` of ``island`` (or, with
+    ``island`` None, to the resource manager), proving ``client``'s session with ``key`` (default: this
+    session's own; ``key`` b"" for an anonymous one)."""
+    from pathways.protocol.connection import connect
+
+    key = session._key if key is None else key
+    client = session.client_id if client is None else client
+    address = session.address if island is None else session.islands[island].hosts[host]["client"]
+    return connect(address, client if key else 0, key or None, lambda identity: None, 1 << 30, 1 << 30)
+
+
+def answer_to(conn, payload: bytes, data=()):
+    """Send one request on a bare connection and read the endpoint's answer (skipping any data after it)."""
+    from pathways import wire
+    from pathways.requests import Answer
+
+    conn.send(payload, data)
+    frame = conn.recv()
+    conn.skip(frame.data)
+    return wire.parse(frame.payload, Answer)

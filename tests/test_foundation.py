@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import json
+import socket
 import subprocess
 import sys
 import textwrap
@@ -14,8 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import ray
-from conftest import host_stats, settle, tenant_env
+from conftest import answer_to, host_stats, raw_connection, settle, tenant_env
 from jax.sharding import PartitionSpec as P
 
 import pathways as pw
@@ -124,27 +124,46 @@ def test_buffers_are_freed_when_handles_are_dropped(cluster):
         assert settle(cluster, expect=start) == start
 
 
-def test_garbage_and_unsigned_messages_are_refused_and_hosts_keep_serving(cluster):
-    host = cluster.islands[0].hosts[0]
-    me = cluster.client_id
-    for bad in (b"garbage", b"\x81\xa1v\x63", wire.encode("free", {"ids": []})[:-2]):
-        with pytest.raises(pw.TenantAccessError, match="not signed by a session"):  # a forged signature
-            ray.get(host.fetch.remote(me, bad, b"x" * 32), timeout=30)
-        with pytest.raises(pw.WireFormatError):  # signed by the session, but not a fetch
-            ray.get(host.fetch.remote(me, bad, cluster.sign("fetch", bad)), timeout=30)
-        with pytest.raises(pw.TenantAccessError, match="runtime's own actors"):
-            ray.get(host.deliver.remote(bad, b"\0" * 32), timeout=30)
-        with pytest.raises(pw.TenantAccessError, match="runtime's own actors"):
-            ray.get(host.enqueue_batch.remote([(10**9, "msg", bad)], b"\0" * 32), timeout=30)
-    wrong_version = wire.encode("fetch", {"id": 1, "timeout": 1.0, "ready_only": True}).replace(b"\xa1v\x02",
-                                                                                                 b"\xa1v\x07")
-    with pytest.raises(pw.WireFormatError, match="unsupported wire version 7"):
-        ray.get(host.fetch.remote(me, wrong_version, cluster.sign("fetch", wrong_version)), timeout=30)
-    reply = wire.decode(ray.get(cluster.rm.request.remote(me, b"\x00garbage", cluster.sign("rm", b"\x00garbage")),
-                                timeout=30), "reply")
-    assert not reply["ok"] and reply["value"][0] == "WireFormatError"
+def test_garbage_and_unauthenticated_messages_are_refused_and_endpoints_keep_serving(cluster):
+    from pathways.protocol.connection import connect
+
+    wrong_version = wire.encode("fetch", {"rid": 1, "id": 1, "timeout": 1.0, "ready_only": True}).replace(
+        b"\xa1v\x03", b"\xa1v\x07")
+    for where in (0, None):  # a host, then the resource manager
+        conn = raw_connection(cluster, where)
+        for bad in (b"garbage", b"\x81\xa1v\x63", wire.encode("free", {"ids": []})[:-2], wrong_version):
+            answer = answer_to(conn, bad)  # the connection is authenticated; the message is not one
+            assert not answer.ok and answer.value[0] == "WireFormatError" and answer.rid == -1, answer
+        assert "unsupported wire version 7" in answer.value[1]
+        conn.close()
+    with pytest.raises(pw.TenantAccessError, match="unknown or expired session"):  # a session with the wrong key
+        raw_connection(cluster, 0, key=b"x" * 32)
+    with pytest.raises(pw.TenantAccessError, match="takes only sessions"):  # a host takes no anonymous client
+        raw_connection(cluster, 0, key=b"")
+    addr = cluster.islands[0].hosts[0]["client"].removeprefix("pathways://")
+    with socket.create_connection(tuple([addr.rsplit(":", 1)[0], int(addr.rsplit(":", 1)[1])]), timeout=10) as raw:
+        raw.recv(4096)
+        raw.sendall(b"GET / HTTP/1.0\r\n\r\n" * 10)  # not the protocol at all: dropped
+    with pytest.raises(pw.PathwaysError, match="does not speak the pathways protocol"):
+        connect(_http_server(), 0, None, lambda i: None, 1, 1, timeout=5)
     with pw.slice((2,), ("x",), island=0) as s:
         np.testing.assert_allclose(np.asarray(pw.jit(lambda v: v - 1.0, slice=s)(pw.put(np.ones(2), s))), 0.0)
+
+
+def _http_server() -> str:
+    """An address where something that is not the runtime answers (a client pointed at the wrong port)."""
+    import threading
+
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n" + b" " * 64)
+        conn.close()
+        server.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return f"127.0.0.1:{server.getsockname()[1]}"
 
 
 def test_a_fetch_that_times_out_says_where_the_program_stopped(cluster):
@@ -165,7 +184,7 @@ def test_a_second_process_sees_the_same_cluster_but_not_another_tenants_slices(c
     with pw.slice((3,), ("x",), island=1) as mine:
         script = textwrap.dedent("""
             import json, numpy as np, pathways as pw
-            pw.init(address="auto")  # tenant and credential from the environment
+            pw.init()  # address, tenant and credential from the environment
             st = pw.status()
             other = pw.slice((1,), ("x",), island=0)
             kept = [pw.jit(lambda v: v * 2, slice=other)(pw.put(np.ones(3), other)) for _ in range(4)]

@@ -7,7 +7,8 @@ import pytest
 
 from pathways import wire
 from pathways.errors import WireFormatError
-from pathways.messages import Deliver, Fetch, Lending, decode_request
+from pathways.messages import Deliver, Lending, decode_request
+from pathways.requests import Fetch
 
 DELIVER = Deliver(7, 0, 1, (((0, 1024), (0, 512)),), direct=Lending(3, (4096,), "/tmp/x/host.sock"))
 
@@ -18,8 +19,10 @@ def body(msg: bytes) -> dict:
 
 def test_typed_messages_round_trip():
     assert Deliver.from_wire(wire.decode(DELIVER.encode(), "deliver")) == DELIVER
-    fetch = wire.encode("fetch", {"id": 1, "timeout": 2, "ready_only": False})  # msgpack sends 2.0 as 2
-    assert Fetch.decode(fetch) == Fetch(1, 2.0, False)
+    fetch = wire.encode("fetch", {"rid": 9, "id": 1, "timeout": 2, "ready_only": False})  # msgpack sends 2.0 as 2
+    assert wire.parse(fetch, Fetch) == Fetch(9, 1, 2.0, False)
+    with pytest.raises(WireFormatError, match="finite number of seconds"):  # checked in meaning, not only schema
+        wire.parse(wire.encode("fetch", {"rid": 9, "id": 1, "timeout": float("inf"), "ready_only": False}), Fetch)
 
 
 @pytest.mark.parametrize("kind,changes,error", [
@@ -30,7 +33,7 @@ def test_typed_messages_round_trip():
      r"deliver.direct.addrs\[1\]: expected int, got float"),
     ("call", {"template": b"", "base": 0, "inputs": [], "exes": {"e": 3}, "frees": []},
      r"call.exes\['e'\]: expected bytes, got int"),
-    ("fetch", {"id": 1, "timeout": "soon", "ready_only": False}, "fetch.timeout: expected float, got str"),
+    ("fetch", {"rid": 1, "id": 1, "timeout": "soon", "ready_only": False}, "fetch.timeout: expected float, got str"),
 ])
 def test_a_malformed_message_names_the_field(kind, changes, error):
     base = body(DELIVER.encode()) if kind == "deliver" else {}

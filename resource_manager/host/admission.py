@@ -23,8 +23,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import ray
-
 from pathways.errors import PathwaysError, ProgramError, TenantAccessError, WireFormatError, to_wire
 from pathways.messages import Call, Free, Put, Request, client_of, decode_request
 from pathways.ops import Exec, Limits, Template, TemplateCache, check_fits, declared_values
@@ -44,7 +42,6 @@ class Admitted:
     client: int
     tenant: str
     payload: bytes
-    refs: tuple
     request: Request | None
     template: Template | None = None
     refusal: Failure | None = None
@@ -59,7 +56,7 @@ class Admitted:
     def row(self) -> tuple:
         """The form other hosts of the island receive (they decode the payload once themselves)."""
         refusal = None if self.refusal is None else (self.refusal.kind, self.refusal.message)
-        return (self.client, self.tenant, self.payload, self.refs, refusal, self.fail_lo, self.fail_hi)
+        return (self.client, self.tenant, self.payload, refusal, self.fail_lo, self.fail_hi)
 
 
 class Admission:
@@ -75,11 +72,10 @@ class Admission:
         self.skipped = 0
 
     def accept(self, client: int, tenant: str, first: int, items: Any) -> list[Admitted]:
-        """Messages ``first``, ``first + 1``, ... of ``client``'s stream, each ``(payload, refs)``; returns what
+        """Messages ``first``, ``first + 1``, ... of ``client``'s stream (their payloads); returns what
         is now in order (this batch and any that waited for it), admitted or refused one by one."""
         if not isinstance(items, list) or not 0 < len(items) <= MAX_BATCH or not isinstance(first, int):
-            raise WireFormatError(f"a batch is a list of 1 to {MAX_BATCH} (payload, refs) pairs with a message "
-                                  "number")
+            raise WireFormatError(f"a batch is a list of 1 to {MAX_BATCH} messages with the number of the first")
         with self._lock:
             expected = self._next.get(client, 0)
             early = self._early.setdefault(client, {})
@@ -132,29 +128,27 @@ class Admission:
             return sum(len(e) for e in self._early.values())
 
     # -- one message ----------------------------------------------------------------------------------------
-    def check(self, client: int, tenant: str, item: Any) -> Admitted:
-        """Decode and check one ``(payload, refs)`` of ``client``; a problem refuses this message alone."""
-        payload, refs = item if isinstance(item, (tuple, list)) and len(item) == 2 else (item, None)
-        refs = tuple(refs or ())
+    def check(self, client: int, tenant: str, payload: Any) -> Admitted:
+        """Decode and check one message of ``client``; a problem refuses this message alone."""
         request: Request | None = None
         lo = hi = 0
         try:
             request = decode_request(payload)
             if isinstance(request, Call):
                 template = self._check_call(client, tenant, request)
-                return Admitted(client, tenant, payload, refs, request, template)
+                return Admitted(client, tenant, payload, request, template)
             if isinstance(request, Put):
                 lo, hi = request.id, request.id + 1
-                self._check_put(client, tenant, request, refs)
-                return Admitted(client, tenant, payload, refs, request)
+                self._check_put(client, tenant, request)
+                return Admitted(client, tenant, payload, request)
             own = tuple(i for i in request.ids if client_of(i) == client)
-            return Admitted(client, tenant, payload, refs, Free(own, request.everything))
+            return Admitted(client, tenant, payload, Free(own, request.everything))
         except PathwaysError as exc:
             if isinstance(request, Call):  # read only now: a good call's template is decoded once, cached
                 lo, hi = request.base, request.base + declared_values(request.template)
             if client_of(lo) != client or client_of(max(hi - 1, lo)) != client:
                 lo = hi = 0  # never fail ids outside the sender's own space
-            return Admitted(client, tenant, payload, refs, request, None, Failure(*to_wire(exc)), lo, hi)
+            return Admitted(client, tenant, payload, request, None, Failure(*to_wire(exc)), lo, hi)
 
     def _own(self, client: int, ids: Any, what: str) -> None:
         bad = [i for i in ids if client_of(i) != client or i <= 0]
@@ -183,7 +177,7 @@ class Admission:
                                    f"{self.limits.island} by your clients")
         return template
 
-    def _check_put(self, client: int, tenant: str, put: Put, refs: tuple) -> None:
+    def _check_put(self, client: int, tenant: str, put: Put) -> None:
         self._own(client, [put.id], "pw.put")
         if not self.grants.owns(tenant, put.slice):
             raise TenantAccessError(f"slice {put.slice.key} on island {self.limits.island} is not yours; a put "
@@ -192,6 +186,3 @@ class Admission:
         put.aval.check("pw.put")
         put.slice.check_spec(put.spec, put.aval.shape, "pw.put")
         check_fits(put.aval, put.spec, put.slice, self.limits, "pw.put")
-        want = len(put.slice.hosts) if put.per_host else 1
-        if len(refs) != want or not all(isinstance(r, ray.ObjectRef) for r in refs):
-            raise WireFormatError(f"pw.put: expected {want} object reference(s) with the message, got {len(refs)}")

@@ -2,9 +2,9 @@
 
 Deletes wait for pending ops: a free that arrives while an earlier fragment
 still has to write or read the buffer marks it doomed, and the last of those
-ops drops it. A fetch waiting for a buffer is woken when that buffer arrives,
-not by every other write: a busy island serving several clients' fetches
-would otherwise wake each of them on every op.
+ops drops it. A fetch waiting for a buffer is told when that buffer arrives (a callback,
+so no thread waits for it), not by every other write: a busy island serving
+several clients' fetches would otherwise wake each of them on every op.
 
 A message refused whole (it failed validation) has no ops to fail its outputs
 one by one: its id range is recorded as failed, and a wait for any id in it
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,7 +58,7 @@ class BufferTable:
         self._entries: dict[int, Entry] = {}
         self._uses: Counter[int] = Counter()
         self._doomed: set[int] = set()
-        self._waiters: dict[int, list[threading.Event]] = {}
+        self._waiters: dict[int, list[Callable[[], None]]] = {}  # called (the lock held) when the id arrives
         self._failed: deque[tuple[int, int, str, Failure]] = deque(maxlen=FAILED_RANGES)
         self._dead: Failure | None = None
         self._bytes = 0  # of every entry, kept on each change so stats and the peak cost O(1)
@@ -92,8 +93,8 @@ class BufferTable:
             if entry is not None and entry.tenant != tenant:
                 raise TenantAccessError(f"buffer {buffer_id} is not owned by tenant {tenant!r}; refusing to write it")
             self._set(buffer_id, Entry(tenant, value))
-            for event in self._waiters.pop(buffer_id, ()):
-                event.set()
+            for call in self._waiters.pop(buffer_id, ()):
+                call()
 
     def lookup(self, buffer_id: int, tenant: str) -> Entry | None:
         """The entry if it exists (or the failure that stands for it); refuses another tenant's buffer
@@ -146,34 +147,46 @@ class BufferTable:
         with self._cond:
             self._failed.append((lo, hi, tenant, failure))
             for buffer_id in [i for i in self._waiters if lo <= i < hi]:
-                for event in self._waiters.pop(buffer_id):
-                    event.set()
+                for call in self._waiters.pop(buffer_id):
+                    call()
 
     def die(self, failure: Failure) -> None:
         """The host can no longer run: every present and future wait returns ``failure``."""
         with self._cond:
             self._dead = failure
-            for events in self._waiters.values():
-                for event in events:
-                    event.set()
+            for calls in self._waiters.values():
+                for call in calls:
+                    call()
             self._waiters.clear()
 
-    def wait(self, buffer_id: int, tenant: str, timeout: float) -> Entry | None:
-        """The entry once it exists, or None after ``timeout`` seconds."""
+    def when_ready(self, buffer_id: int, tenant: str, call: Callable[[], None]) -> Entry | None:
+        """The entry if it exists (or the failure that stands for it); otherwise None, and ``call`` runs (with
+        the table's lock held: it must only hand work on) once it does, unless ``forget`` comes first."""
         with self._cond:
             found = self.lookup(buffer_id, tenant)
-            if found is not None or timeout <= 0:
-                return found
-            event = threading.Event()
-            self._waiters.setdefault(buffer_id, []).append(event)
-        arrived = event.wait(timeout)
+            if found is None:
+                self._waiters.setdefault(buffer_id, []).append(call)
+            return found
+
+    def forget(self, buffer_id: int, call: Callable[[], None]) -> None:
+        """Drop a ``when_ready`` callback that has not run (its wait timed out)."""
         with self._cond:
-            if not arrived:
-                waiters = self._waiters.get(buffer_id, [])
-                if event in waiters:
-                    waiters.remove(event)
-                if not waiters:
-                    self._waiters.pop(buffer_id, None)
+            calls = self._waiters.get(buffer_id)
+            if calls is not None and call in calls:
+                calls.remove(call)
+                if not calls:
+                    del self._waiters[buffer_id]
+
+    def wait(self, buffer_id: int, tenant: str, timeout: float) -> Entry | None:
+        """The entry once it exists, or None after ``timeout`` seconds (blocks the calling thread)."""
+        event = threading.Event()
+        found = self.when_ready(buffer_id, tenant, event.set)
+        if found is not None or timeout <= 0:
+            self.forget(buffer_id, event.set)
+            return found
+        if not event.wait(timeout):
+            self.forget(buffer_id, event.set)
+        with self._cond:
             return self.lookup(buffer_id, tenant)
 
     # -- uses and frees -------------------------------------------------------------------------------------

@@ -1,9 +1,8 @@
-"""What the resource manager has granted an island: client sessions (tenant and key) and slices.
+"""What the resource manager has granted an island: client sessions (tenant, key, budgets) and slices.
 
-Hosts never believe a tenant, weight or slice that a client's message names:
-they learn them here, from the resource manager (whose own messages are signed
-with the runtime key), and a client's message is attributed to the session
-whose key signed it.
+Hosts never believe a tenant, weight, budget or slice that a client's message names: they learn them here,
+from the resource manager (whose orders are signed with the runtime key), and a client's connection is
+attributed to the session whose key it proved in its handshake.
 """
 
 from __future__ import annotations
@@ -11,11 +10,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from pathways import auth
-from pathways.errors import TenantAccessError
+from pathways.budgets import Budgets
 from pathways.ops import SliceDesc
-
-REFUSED = "the message is not signed by a session this island knows (closed, reclaimed, or never opened)"
 
 
 @dataclass(frozen=True)
@@ -28,17 +24,20 @@ class Session:
 
 
 class Grants:
-    """Sessions by client id and slices by key; thread-safe."""
+    """Sessions by client id, each tenant's budgets, and slices by key; thread-safe."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._sessions: dict[int, Session] = {}
+        self._budgets: dict[str, Budgets] = {}
         self._slices: dict[str, tuple[str, SliceDesc]] = {}
 
-    def add_session(self, client: int, tenant: str, key: bytes) -> None:
-        """Accept messages signed with ``key`` as client ``client`` of ``tenant``."""
+    def add_session(self, client: int, tenant: str, key: bytes, budgets: Budgets | None = None) -> None:
+        """Accept connections proven with ``key`` as client ``client`` of ``tenant`` (whose budgets these are)."""
         with self._lock:
             self._sessions[client] = Session(client, tenant, key)
+            if budgets is not None:
+                self._budgets[tenant] = budgets
 
     def remove_session(self, client: int) -> Session | None:
         """Forget a client's session; returns it (None if it was unknown)."""
@@ -49,12 +48,14 @@ class Grants:
         """The session of client ``client``, or None."""
         return self._sessions.get(client)
 
-    def verify(self, client: int, mac: bytes, purpose: str, *parts: bytes | str | int) -> Session:
-        """The session whose key signed these parts; TenantAccessError (naming nobody) otherwise."""
-        session = self._sessions.get(client) if isinstance(client, int) else None
-        if session is None or not auth.verify(session.key, mac, purpose, *parts):
-            raise TenantAccessError(REFUSED)
-        return session
+    def set_budgets(self, tenant: str, budgets: Budgets) -> None:
+        """The admin changed ``tenant``'s budgets."""
+        with self._lock:
+            self._budgets[tenant] = budgets
+
+    def budgets(self, tenant: str) -> Budgets:
+        """``tenant``'s budgets on this host: the one place a host looks them up (the defaults until told)."""
+        return self._budgets.get(tenant) or Budgets()
 
     def grant(self, key: str, tenant: str, desc: SliceDesc) -> None:
         """``tenant`` holds slice ``key`` on the devices ``desc`` names."""

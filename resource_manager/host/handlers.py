@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -32,6 +33,7 @@ from resource_manager.host.receive import Receiver
 from resource_manager.host.run import Place, Run
 from resource_manager.host.transfer import Landing, assemble, local_pieces
 from resource_manager.host.transport.peers import Peers
+from resource_manager.host.uploads import Uploads
 
 PREPARED = 1024  # templates whose host-local op facts are kept
 log = logging.getLogger(__name__)
@@ -49,28 +51,30 @@ class Handlers:
     """The op handlers of one host, given the parts they use."""
 
     def __init__(self, island: int, host: int, devices: LocalDevices, table: BufferTable, exes: ExecutableCache,
-                 peers: Peers, pool: BufferPool, receiver: Receiver, events: EventLog, op_timeout: float) -> None:
+                 peers: Peers, pool: BufferPool, receiver: Receiver, uploads: Uploads, events: EventLog,
+                 op_timeout: float) -> None:
         self.island, self.host = island, host
-        self.devices, self.table, self.exes = devices, table, exes
+        self.devices, self.table, self.exes, self.uploads = devices, table, exes, uploads
         self.peers, self.pool, self.receiver, self.events = peers, pool, receiver, events
         self.op_timeout = op_timeout
         self._prepared: OrderedDict[Template, list[Any]] = OrderedDict()
         self._sender = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"send-{island}.{host}")
         self.bytes_out = 0
+        # One table from op class to what it does; each takes (run, op, final).
+        self._handlers: dict[type, Callable[[Run, Any, bool], bool]] = {
+            Exec: lambda run, op, _: self._exec(run, op),
+            Send: lambda run, op, _: self._send(run, op),
+            Recv: self._recv,
+            Reshard: lambda run, op, _: self._reshard(run, op),
+            Place: lambda run, op, _: self._place(run, op),
+        }
 
     def run(self, run: Run, op: Op, final: bool) -> bool:
         """Run ``op`` of ``run``; False while its inputs are missing (``final``: a resumed receive)."""
-        if isinstance(op, Exec):
-            return self._exec(run, op)
-        if isinstance(op, Send):
-            return self._send(run, op)
-        if isinstance(op, Recv):
-            return self._recv(run, op, final)
-        if isinstance(op, Reshard):
-            return self._reshard(run, op)
-        if isinstance(op, Place):
-            return self._place(run, op)
-        raise ProgramError(f"unknown op {op!r}")
+        handler = self._handlers.get(type(op))
+        if handler is None:
+            raise ProgramError(f"unknown op {op!r}")
+        return handler(run, op, final)
 
     def stop(self) -> None:
         """Stop the background senders; sends not yet started are dropped."""
@@ -164,22 +168,13 @@ class Handlers:
     def _place(self, run: Run, op: Place) -> bool:
         if not self.devices.participates(op.slice):
             return True
-        if not op.value.ready():
-            return False
-        try:
-            value = op.value.result()
-        except Exception as exc:  # the object store lost it: its client exited before it was fetched
-            raise ProgramError(f"the value of pw.put (buffer {run.base}) could not be fetched from Ray's object "
-                               f"store ({type(exc).__name__}); the client that sent it has probably exited") from None
+        pieces = self.uploads.take(run.base, run.tenant)
+        if pieces is None:
+            return False  # its bytes are still on their way from the client (bounded by the op timeout)
+        if isinstance(pieces, Failure):
+            raise Failed(pieces)
         dtype = dtype_from_wire(op.aval.dtype)
         shape = op.aval.shape
-        if isinstance(value, dict):  # this host's shards of a scattered put
-            pieces = {tuple(map(tuple, k)): np.asarray(v) for k, v in value.items()}
-        else:
-            value = np.asarray(value)
-            if value.size != int(np.prod(shape, dtype=np.int64)):
-                raise ProgramError(f"pw.put: the value has {value.size} elements, the message announced {shape}")
-            pieces = {tuple((0, n) for n in shape): value.reshape(shape)}
         for index, piece in pieces.items():
             if piece.dtype != dtype or piece.shape != tuple(b - a for a, b in index):
                 raise ProgramError(f"pw.put: a piece of {piece.dtype}{list(piece.shape)} does not match region "

@@ -3,8 +3,8 @@
 Host 0 hands its own share over typed (it decoded and checked each message
 once, at admission); other hosts receive rows from host 0 (signed with the
 runtime key) and decode each payload once. Whatever arrives, the stream moves
-on: a message that fails here fails its own outputs, a put whose value cannot
-be fetched fails that put when it runs, and nothing raises out of admission
+on: a message that fails here fails its own outputs, a put whose value never
+arrives fails that put when it runs, and nothing raises out of admission
 with the sequence counter stuck. Only a sequence number that never arrives
 (host 0 is gone) stops the stream, and that fails the island.
 """
@@ -22,7 +22,7 @@ from resource_manager.host.admission import Admitted
 from resource_manager.host.buffers import BufferTable, Failure
 from resource_manager.host.executables import ExecutableCache
 from resource_manager.host.executor import Executor
-from resource_manager.host.run import Place, PutValue, Run
+from resource_manager.host.run import Place, Run
 from resource_manager.host.scheduler import Item, Resume
 
 log = logging.getLogger(__name__)
@@ -57,16 +57,16 @@ class Inbox:
             except Exception as exc:  # host 0 is trusted, so this is a bug: say it, keep the order moving
                 log.exception("island %d host %d: an unreadable row from host 0", self.island, self.host)
                 if isinstance(row, (list, tuple)) and row and isinstance(row[0], int):
-                    items.append((row[0], Admitted(0, "", b"", (), None, refusal=Failure(*to_wire(exc)))))
+                    items.append((row[0], Admitted(0, "", b"", None, refusal=Failure(*to_wire(exc)))))
         self.accept(items)
 
     def _from_row(self, row: tuple) -> Admitted:
-        client, tenant, payload, refs, refusal, lo, hi = row
+        client, tenant, payload, refusal, lo, hi = row
         if refusal is not None:
-            return Admitted(client, tenant, payload, refs, None, None, Failure(*refusal), lo, hi)
+            return Admitted(client, tenant, payload, None, None, Failure(*refusal), lo, hi)
         request = decode_request(payload)
         template = self.templates.get(request.template) if isinstance(request, Call) else None
-        return Admitted(client, tenant, payload, refs, request, template)
+        return Admitted(client, tenant, payload, request, template)
 
     def _admit_ready(self) -> None:
         while self._next_seq in self._pending:
@@ -109,18 +109,7 @@ class Inbox:
                                 template.n_inputs, request.base, request.inputs))
 
     def _put_run(self, seq: int, item: Admitted, put: Put) -> Run:
-        hosts = put.slice.hosts
-        if self.host in hosts:
-            ref = item.refs[hosts.index(self.host)] if put.per_host else item.refs[0]
-            value = PutValue(ref, self._wake)
-        else:
-            value = None
-        op = Place(put.slice, put.spec, put.aval, value)
-        return Run(seq, item.tenant, item.client, "put", (op,), base=put.id)
-
-    def _wake(self) -> None:
-        with self.cond:
-            self.executor.touch()
+        return Run(seq, item.tenant, item.client, "put", (Place(put.slice, put.spec, put.aval),), base=put.id)
 
     def stuck_for(self) -> float:
         """Seconds a sequence number has been missing while later ones wait (0 when the stream flows)."""

@@ -3,44 +3,26 @@
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from pathways.ops import Aval, Op, SliceDesc, Template, WireSpec
 
 
 @dataclass(frozen=True)
 class Place(Op):
-    """The op a put message becomes: land the host value that came with it as slot 0 (id ``base``)."""
+    """The op a put message becomes: land the value the client uploaded to this host (``uploads``) as slot 0
+    (id ``base``)."""
 
     KIND: ClassVar[str] = "put"
     slice: SliceDesc
     spec: WireSpec
     aval: Aval
-    value: PutValue
     frees: tuple[int, ...] = ()
 
     def writes(self) -> tuple[int, ...]:
         """The put lands its value in slot 0."""
         return (0,)
-
-
-class PutValue:
-    """The host value of a put, fetched from the object store in the background from admission on: a client
-    that dies before it is fetched fails this put alone, never the island's order."""
-
-    def __init__(self, ref: Any, on_done: Any) -> None:
-        self.future: Future = ref.future()
-        self.future.add_done_callback(lambda _: on_done())
-
-    def ready(self) -> bool:
-        """Whether the value has arrived from the object store (or failed to)."""
-        return self.future.done()
-
-    def result(self) -> Any:
-        """The value; raises what fetching it raised. Call only once ``ready``."""
-        return self.future.result(timeout=0)
 
 
 @dataclass(eq=False)

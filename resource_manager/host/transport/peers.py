@@ -107,7 +107,7 @@ class Peers:
                 import ray
 
                 addr = self._probe.ctypes.data
-                mac = auth.sign(self._key, "probe", self.node, self.pid, addr)
+                mac = auth.sign(self._key, "probe", island, host, self.node, self.pid, addr)
                 try:
                     known = ray.get(info.handle.probe_direct.remote(mac, self.node, self.pid, addr, PROBE),
                                     timeout=timeout) or ""
@@ -140,7 +140,7 @@ class Peers:
         elif arrays and self.network is not None and self.network.push(island, host, msg.key, msg.shards, arrays):
             return False  # a peer on another node, over the network path
         meta = msg.encode()
-        self.handle(island, host).deliver.remote(meta, auth.sign(self._key, "deliver", meta), *arrays)
+        self.handle(island, host).deliver.remote(meta, auth.sign(self._key, "deliver", island, host, meta), *arrays)
         return False
 
     def give_back(self, pieces: Sequence[Lent]) -> None:
@@ -157,7 +157,8 @@ class Peers:
                 except OSError:
                     pass
             try:
-                self.handle(island, host).release_lent.remote(payload, auth.sign(self._key, "returned", payload))
+                mac = auth.sign(self._key, "returned", island, host, payload)
+                self.handle(island, host).release_lent.remote(payload, mac)
             except KeyError:
                 pass  # the sender is gone with its island
 

@@ -1,0 +1,56 @@
+"""The resource manager as Ray holds it: a detached, named actor with only the calls its launcher makes.
+
+Everything a tenant asks goes through the resource manager's client endpoint (``service``), never through
+Ray. This class defines the launcher's three calls, each proven with an HMAC keyed by the admin credential's
+digest, which only the admin's tools hold: ``ready`` (the runtime's address and topology), ``stop`` (end every
+job and close the endpoints before ``pathways down`` removes the actors) and ``stats`` for the admin's tools.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+import ray
+
+from pathways import auth
+from pathways.errors import TenantAccessError
+from resource_manager.jobs import JobRunner
+from resource_manager.manager import Config, ResourceManager
+from resource_manager.service import ManagerService
+
+
+def launch_mac(admin_digest: str, purpose: str) -> bytes:
+    """What the launcher proves for ``purpose``: an HMAC keyed by the admin credential's digest."""
+    return auth.sign(bytes.fromhex(admin_digest), purpose)
+
+
+class ManagerActor:
+    """Holds the resource manager, its job runner and its client endpoint; ``config`` is a ``Config``'s fields."""
+
+    def __init__(self, config: dict, client_ports: list[int] | None = None) -> None:
+        self._config = Config(**config)
+        runtime_key, runtime_id = auth.new_key(), secrets.token_hex(8)
+        self._rm = ResourceManager(self._config, runtime_key, runtime_id)
+        ports = range(client_ports[0], client_ports[1] + 1) if client_ports else None
+        self._service = ManagerService(self._rm, ray.util.get_node_ip_address(), ports)
+        self._service.jobs = JobRunner(self._rm, self._service.address, self._config.jobs_dir, self._config.job_user)
+
+    def _check(self, mac: Any, purpose: str) -> None:
+        digest = self._config.admin_digest
+        if digest is None or not auth.verify(bytes.fromhex(digest), mac, purpose):
+            raise TenantAccessError("refused: this method is for the runtime's launcher (`pathways up`/`down`)")
+
+    def ready(self, mac: bytes) -> dict:
+        """The runtime's client address, identity and topology."""
+        self._check(mac, "ready")
+        return {**self._rm.ready(), "address": self._service.address,
+                "ray_address": ray.get_runtime_context().gcs_address}
+
+    def stop(self, mac: bytes) -> int:
+        """End every job and close the client endpoint (the actors are removed next); returns the jobs stopped."""
+        self._check(mac, "stop")
+        running = [j for j in self._service.jobs.jobs.values() if j.ended is None]
+        self._service.jobs.stop_all()
+        self._service.endpoint.close()
+        return len(running)

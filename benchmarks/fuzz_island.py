@@ -6,7 +6,8 @@ One tenant (the fuzzer) sends N messages that pass the wire schema and carry
 its own session's signature, but are wrong in meaning: calls whose inputs are
 missing or someone else's, templates that read slots nobody wrote or free slot
 -5, unknown or forged executables, shapes no host can hold, puts without (or
-with the wrong) value, frees of ids it never made; a fifth of them are valid.
+with the wrong) value, uploads that lie about their size, frees of ids it never
+made; a fifth of them are valid.
 After every message a second tenant runs a small program on the same island
 and fetches its result. The last line counts what went wrong:
 
@@ -27,12 +28,14 @@ from dataclasses import replace
 from typing import Any
 
 import numpy as np
-import ray
 
 import pathways as pw
 from benchmarks.common import default_out, write_json
 from pathways.messages import CLIENT_ID_BITS, Call, Free, Put
 from pathways.ops import Aval, Exec, Recv, Route, Send, SliceDesc, Template
+from pathways.requests import PutData, State
+
+Upload = tuple[int, bytes, list]  # (host, a put_data message, the bytes after it)
 
 
 class Fuzzer:
@@ -52,8 +55,22 @@ class Fuzzer:
     def _id(self, k: int = 1) -> int:
         return self.session.mint(k)
 
-    def message(self) -> tuple[str, bytes, list]:
-        """One message: (what it tries, payload, object refs)."""
+    def upload(self, buffer_id: int, value: np.ndarray, dtype: str | None = None,
+               data: np.ndarray | None = None) -> list[Upload]:
+        """The uploads of ``value`` as put ``buffer_id`` to the slice's host (``dtype`` and ``data`` may lie)."""
+        region = [[0, n] for n in value.shape]
+        msg = PutData(buffer_id, [region], dtype or value.dtype.name).encode()
+        return [(h, msg, [value if data is None else data]) for h in self.slice.hosts]
+
+    def send(self, payload: bytes, uploads: list[Upload]) -> None:
+        """What a client does with a message: its put values straight to their hosts, then the message in its
+        stream to the island."""
+        for host, msg, data in uploads:
+            self.session.upload(self.slice.island, host, msg, data)
+        self.session.outboxes.put(self.slice.island, payload)
+
+    def message(self) -> tuple[str, bytes, list[Upload]]:
+        """One message: (what it tries, payload, the uploads that go before it)."""
         kind = self.rng.choice(["call"] * 5 + ["template"] * 8 + ["put"] * 4 + ["free"] * 2 + ["valid"] * 5)
         return getattr(self, f"_{kind}")()
 
@@ -70,10 +87,10 @@ class Fuzzer:
         ids = (self._id(), self._id())
         for buffer_id in ids:
             put = Put(buffer_id, self.slice.desc(), (), Aval((8,), "float32"))
-            self.session.outboxes.put(self.slice.island, put.encode(), [ray.put(self.value)])
+            self.send(put.encode(), self.upload(buffer_id, self.value))
         return ids
 
-    def _call(self) -> tuple[str, bytes, list]:
+    def _call(self) -> tuple[str, bytes, list[Upload]]:
         other = (self.session.client_id + 1) << CLIENT_ID_BITS
         what, changes = self.rng.choice([
             ("no inputs", {"inputs": ()}),
@@ -89,7 +106,7 @@ class Fuzzer:
         return what, self._call_of(self.template, **changes), []
 
     # -- templates wrong in meaning -------------------------------------------------------------------------
-    def _template(self) -> tuple[str, bytes, list]:
+    def _template(self) -> tuple[str, bytes, list[Upload]]:
         t = self.template
         op: Exec = t.ops[0]
         desc = next(iter(t.slices.values()))
@@ -122,33 +139,37 @@ class Fuzzer:
         return what, self._call_of(template), []
 
     # -- puts -----------------------------------------------------------------------------------------------
-    def _put(self) -> tuple[str, bytes, list]:
+    def _put(self) -> tuple[str, bytes, list[Upload]]:
         desc: SliceDesc = self.slice.desc()
         good = Put(self._id(), desc, (), Aval((8,), "float32"))
-        what, put, refs = self.rng.choice([
+        value = self.value
+        what, put, uploads = self.rng.choice([
             ("a put without its value", good, []),
-            ("a put with two values", good, [ray.put(self.value), ray.put(self.value)]),
-            ("a put whose value is a string", good, [ray.put("not an array")]),
-            ("a put whose value has another shape", good, [ray.put(np.zeros(3, np.float32))]),
-            ("a put whose value has another dtype", good, [ray.put(np.zeros(8, np.int8))]),
-            ("a put announcing 16 EiB", replace(good, aval=Aval((2**31, 2**31), "float32")), [ray.put(self.value)]),
+            ("a put whose value is sent twice", good, self.upload(good.id, value) * 2),
+            ("an upload whose bytes are fewer than it announces", good, self.upload(good.id, value, data=value[:3])),
+            ("a put whose value has another shape", good, self.upload(good.id, np.zeros(3, np.float32))),
+            ("a put whose value has another dtype", good, self.upload(good.id, value, dtype="int32")),
+            ("an upload of dtype 'nope'", good, self.upload(good.id, value, dtype="nope")),
+            ("a put announcing 16 EiB", replace(good, aval=Aval((2**31, 2**31), "float32")),
+             self.upload(good.id, value)),
             ("a put on a slice it does not hold", replace(good, slice=replace(desc, key="s999")),
-             [ray.put(self.value)]),
+             self.upload(good.id, value)),
             ("a put with another client's id", replace(good, id=((self.session.client_id + 1) << CLIENT_ID_BITS) + 3),
-             [ray.put(self.value)]),
+             self.upload(((self.session.client_id + 1) << CLIENT_ID_BITS) + 3, value)),
         ])
-        return what, put.encode(), refs
+        return what, put.encode(), uploads
 
-    def _free(self) -> tuple[str, bytes, list]:
+    def _free(self) -> tuple[str, bytes, list[Upload]]:
         what, ids = self.rng.choice([("a free of ids -1 and 0", (-1, 0)),
                                      ("a free of another client's ids", ((self.session.client_id + 1) << 40,)),
                                      ("a free of 10,000 unknown ids", tuple(range(10**6, 10**6 + 10**4)))])
         return what, Free(ids).encode(), []
 
-    def _valid(self) -> tuple[str, bytes, list]:
+    def _valid(self) -> tuple[str, bytes, list[Upload]]:
         if self.rng.random() < 0.5:
-            return "a valid put", Put(self._id(), self.slice.desc(), (), Aval((8,), "float32")).encode(), \
-                [ray.put(self.value)]
+            buffer_id = self._id()
+            return "a valid put", Put(buffer_id, self.slice.desc(), (), Aval((8,), "float32")).encode(), \
+                self.upload(buffer_id, self.value)
         return "a valid call", self._call_of(self.template), []
 
 
@@ -165,8 +186,11 @@ def run(victim: Any, fuzz_session: Any, island: int, n: int, seed: int, timeout:
     served, wedged, failures = 0, 0, []
     deaths = 0
     for k in range(n):
-        what, payload, refs = fuzzer.message()
-        fuzz_session.outboxes.put(island, payload, refs)
+        what, payload, uploads = fuzzer.message()
+        try:
+            fuzzer.send(payload, uploads)
+        except pw.PathwaysError as exc:  # the fuzzer's own connection was closed for what it sent: reconnect
+            failures.append(f"message {k} ({what}): the fuzzer's connection ended: {exc}"[:300])
         try:
             x = inc(x)
             value = x.fetch(timeout=timeout)
@@ -180,9 +204,9 @@ def run(victim: Any, fuzz_session: Any, island: int, n: int, seed: int, timeout:
             x = pw.put(np.full(4, k + 1, np.float32), s)
         if log is not None and (k + 1) % 50 == 0:
             log(f"{k + 1} messages: served {served}, wedged {wedged}")
-    stats = [ray.get(h.stats.remote(), timeout=30) for h in victim.islands[island].hosts]
+    stats = [victim.host_stats(island, h) for h in range(len(victim.islands[island].hosts))]
     deaths = sum(1 for st in stats if st["dead"])
-    restarts = victim.request("state", {})["restarts"]
+    restarts = victim.request(lambda rid: State(rid), "state")["restarts"]
     crashed = sum(1 for r in restarts if r["island"] == island and r["epoch"] > epoch0)
     return {"messages": n, "wedged": wedged, "crashed": crashed, "executor_deaths": deaths, "served": served,
             "failures": failures, "refused_pieces": sum(st.get("refused_pieces", 0) for st in stats)}
@@ -190,9 +214,9 @@ def run(victim: Any, fuzz_session: Any, island: int, n: int, seed: int, timeout:
 
 def _slice_for(session: Any, island: int) -> pw.VirtualSlice:
     from client.slices import VirtualSlice
+    from pathways.requests import Allocate
 
-    wire = session.request("allocate", {"shape": [2], "axes": ["x"], "island": island})
-    return VirtualSlice(session, wire)
+    return VirtualSlice(session, session.request(lambda rid: Allocate(rid, [2], ["x"], island), "allocate"))
 
 
 def main() -> None:
@@ -208,7 +232,7 @@ def main() -> None:
     victim = pw.init(topology=pw.Topology(2, args.hosts_per_island, 4 // args.hosts_per_island),
                      timeouts=pw.Timeouts(fetch=30.0, op=10.0))
     credential = pw.admin().add_tenant("fuzzer")
-    fuzz = Session(victim.rm, "fuzzer", victim.timeouts, False, credential)
+    fuzz = Session(victim.address, "fuzzer", victim.timeouts, credential)
     start = time.perf_counter()
     result = run(victim, fuzz, 0, args.messages, args.seed, log=lambda line: print(line, flush=True))
     took = time.perf_counter() - start

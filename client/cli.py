@@ -1,20 +1,20 @@
 """The ``pathways`` console command: start a shared cluster, manage its tenants, submit their jobs, watch it.
 
-    pathways up [--islands N --hosts-per-island H --devices-per-host D] [--port P] [--address ADDR] [--quota D]
-    pathways tenants add NAME --weight W [--quota DEVICES]
-    pathways tenants list [--json] | set NAME [--weight W] [--quota N | --no-quota] [--new-credential]
-    pathways tenants remove NAME
-    pathways submit --tenant NAME -- python script.py ...
+    pathways up [--islands N --hosts-per-island H --devices-per-host D] [--port P] [--client-port C]
+                [--address RAY_ADDRESS] [--job-user USER] [--quota D]
+    pathways tenants add NAME --weight W [--quota DEVICES] [--budget NAME=VALUE ...]   (prints a login command)
+    pathways tenants list [--json] | set NAME [...] | remove NAME
+    pathways login pathways://HOST:PORT --tenant NAME --credential SECRET     (a tenant, on their own machine)
+    pathways submit [--tenant NAME] -- python script.py ...
     pathways status [--json] | pathways jobs | pathways logs JOB [--follow] | pathways stop JOB
     pathways down
     pathways graph script.py:function [--out graph.svg]
 
-Every command talks to ``--address``, else ``RAY_ADDRESS``, else the cluster ``pathways up`` recorded.
-``up`` creates the cluster's admin credential (``$PATHWAYS_HOME/admin.token``, readable by its owner
-only); the ``tenants`` commands need it. A tenant proves itself with the credential the admin issued
-it; ``submit`` exchanges that for a single-use ticket, and only the ticket goes to the job, because
-Ray's job API shows every job's entrypoint and environment to anyone. The runtime (resource manager
-and islands) lives in detached Ray actors, so it outlives the command that started it.
+Every command talks to the runtime's address: ``--address``, else ``PATHWAYS_ADDRESS``, else the one
+``pathways login`` saved, else the cluster ``pathways up`` started on this machine. ``up`` creates the
+cluster's admin credential (``$PATHWAYS_HOME/admin.token``, readable by its owner only); the ``tenants``
+commands need it. A tenant proves itself with the credential the admin issued it. The command never imports
+Ray: ``up`` and ``down`` run ``python -m resource_manager.launch``, the only Ray driver, for the runtime.
 """
 
 from __future__ import annotations
@@ -23,23 +23,33 @@ import argparse
 import json
 import math
 import os
+import signal
+import subprocess
 import sys
 import time
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
-from client import jobs
-from client.jobs import CliError, ClusterState
+from client import head, secrets
+from client.head import ClusterState
+from client.jobs import Jobs, entrypoint_of, pack, working_dir_of
+from client.link import Link, expect_role
+from client.runtime import Login, Timeouts, home, load_login, login_path, machine_runtime, save_login
+from client.secrets import CliError
 from client.tables import clock, render_status, short, table
+from pathways.errors import PathwaysError
+from pathways.names import ADDRESS_ENV
+from pathways.requests import WhoAmI
+
+CLIENT_PORT = 7100  # where `pathways up` serves the runtime's address by default
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the ``pathways`` command with ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
     args = parser().parse_args(argv)
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # a kill or a closed terminal unwinds like Ctrl-C: nothing is left
+        signal.signal(sig, _interrupted)
     try:
-        if args.run is not cmd_graph:
-            jobs.enable_token_auth()
         return args.run(args) or 0
     except CliError as exc:
         print(f"pathways: error: {exc}", file=sys.stderr)
@@ -51,95 +61,126 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def _interrupted(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def say(text: str) -> None:
+    """Print a line for the user; a reader that went away (``| head``) never stops the command."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 def parser() -> argparse.ArgumentParser:
     """The ``pathways`` command's argument parser: one subcommand per action, each with a ``run`` function."""
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--address", help="Ray address host:port (default: RAY_ADDRESS, else `pathways up`'s)")
+    common.add_argument("--address", help="the runtime's address pathways://HOST:PORT (default: PATHWAYS_ADDRESS, "
+                        "else `pathways login`'s, else the cluster `pathways up` started here)")
     admin = argparse.ArgumentParser(add_help=False)
     admin.add_argument("--admin-credential-file", metavar="FILE",
                        help="the admin credential (default: $PATHWAYS_HOME/admin.token)")
     tenant = argparse.ArgumentParser(add_help=False)
+    tenant.add_argument("--tenant", help="the tenant to act as (default: PATHWAYS_TENANT, else `pathways login`'s)")
     tenant.add_argument("--credential-file", metavar="FILE", help="the tenant's credential (default: "
-                        "PATHWAYS_CREDENTIAL, else $PATHWAYS_HOME/credentials/TENANT)")
+                        "PATHWAYS_CREDENTIAL, else $PATHWAYS_HOME/credentials/TENANT, else `pathways login`'s)")
     p = argparse.ArgumentParser(prog="pathways", description="Start a shared Pathways cluster on Ray, manage its "
                                 "tenants, submit their jobs, watch it, stop it.")
     sub = p.add_subparsers(required=True, metavar="COMMAND")
 
-    up = sub.add_parser("up", parents=[common], help="start a Ray head (or join --address) and the islands; "
-                        "create the admin credential")
+    up = sub.add_parser("up", help="start a Ray head (or join --ray-address) and the runtime; create the admin "
+                        "credential; print the runtime's address")
     up.add_argument("--islands", type=int, default=2)
     up.add_argument("--hosts-per-island", type=int, default=1)
     up.add_argument("--devices-per-host", type=int, default=4)
     up.add_argument("--platform", choices=("cpu", "gpu"), default="cpu")
-    up.add_argument("--port", type=int, default=6379, help="GCS port of the head this starts (default 6379)")
-    up.add_argument("--dashboard-port", type=int, default=None, help="default: 8265 if free, else any free port")
+    up.add_argument("--port", type=int, default=6379, help="GCS port of the Ray head this starts (default 6379)")
+    up.add_argument("--client-port", type=int, default=CLIENT_PORT,
+                    help=f"the runtime's client port: its address is pathways://HOST:PORT (default {CLIENT_PORT})")
+    up.add_argument("--ray-address", metavar="HOST:PORT", help="start the runtime on this running Ray cluster "
+                    "instead of starting a head")
     up.add_argument("--num-cpus", type=int, default=None, help="CPUs the head offers Ray (default: all)")
     up.add_argument("--quota", type=int, default=None, metavar="DEVICES",
                     help="device quota of tenants added without one (default: no quota)")
     up.add_argument("--registry", metavar="PATH", help="the tenant registry file, a path on the head node "
                     "(default: $PATHWAYS_HOME/registry.json); it outlives `pathways down`")
+    up.add_argument("--job-user", metavar="USER", help="run tenants' jobs as this OS user, who cannot read the "
+                    "runtime's files (Ray's token included); needs the runtime to run as root")
+    up.add_argument("--session-grace", type=float, default=Timeouts().grace, metavar="SECONDS",
+                    help="how long a session whose client vanished is kept before it is reclaimed")
     up.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the cluster to start")
     up.set_defaults(run=cmd_up)
 
+    dn = sub.add_parser("down", parents=[admin], help="stop the runtime and its jobs; stop the Ray head if `up` "
+                        "started it (also what an interrupted `up` left)")
+    dn.add_argument("--timeout", type=float, default=30.0)
+    dn.set_defaults(run=cmd_down)
+
+    lg = sub.add_parser("login", help="save a runtime's address, your tenant and its credential for this machine's "
+                        "`pathways` and pw.init()")
+    lg.add_argument("login_address", metavar="ADDRESS", help="pathways://HOST:PORT, as the admin gave it")
+    lg.add_argument("--tenant", required=True)
+    who = lg.add_mutually_exclusive_group(required=True)
+    who.add_argument("--credential", help="the credential the admin issued")
+    who.add_argument("--credential-file", metavar="FILE", help="a file holding it")
+    lg.set_defaults(run=cmd_login)
+    lo = sub.add_parser("logout", help="forget what `pathways login` saved")
+    lo.set_defaults(run=cmd_logout)
+
     tn = sub.add_parser("tenants", help="the cluster admin's tenant registry: add, list, set, remove")
     tsub = tn.add_subparsers(required=True, metavar="ACTION")
-    ta = tsub.add_parser("add", parents=[common, admin], help="register a tenant; prints its credential once")
+    ta = tsub.add_parser("add", parents=[common, admin], help="register a tenant; prints its login command once")
     ta.add_argument("name")
     ta.add_argument("--weight", type=float, required=True, help="its share of island time, relative to others")
     ta.add_argument("--quota", type=int, metavar="DEVICES", help="devices its slices may hold at once "
                     "(default: the quota `pathways up --quota` set, else none)")
+    ta.add_argument("--budget", action="append", default=[], metavar="NAME=VALUE",
+                    help="a per-tenant budget other than the default, e.g. host_bytes=4294967296 (repeatable)")
     ta.set_defaults(run=cmd_tenants_add, action="add")
     tl = tsub.add_parser("list", parents=[common, admin], help="tenants: weight, quota, clients, devices held")
     tl.add_argument("--json", action="store_true")
     tl.set_defaults(run=cmd_tenants_list, action="list")
-    ts = tsub.add_parser("set", parents=[common, admin], help="change a tenant's weight, quota or credential")
+    ts = tsub.add_parser("set", parents=[common, admin], help="change a tenant's weight, quota, budgets or "
+                         "credential")
     ts.add_argument("name")
     ts.add_argument("--weight", type=float)
     quota = ts.add_mutually_exclusive_group()
     quota.add_argument("--quota", type=int, metavar="DEVICES")
     quota.add_argument("--no-quota", action="store_true", help="no device quota")
+    ts.add_argument("--budget", action="append", default=[], metavar="NAME=VALUE", help="change a budget")
     ts.add_argument("--new-credential", action="store_true",
-                    help="issue a new credential (printed once); the old one stops working")
+                    help="issue a new credential (printed once); the old one, its sessions and its jobs' unused "
+                    "tickets stop working at once")
     ts.set_defaults(run=cmd_tenants_set, action="set")
     tr = tsub.add_parser("remove", parents=[common, admin], help="remove a tenant; its sessions end and what "
                          "it held is reclaimed")
     tr.add_argument("name")
     tr.set_defaults(run=cmd_tenants_remove, action="remove")
 
-    sm = sub.add_parser("submit", parents=[common, tenant], help="submit `-- COMMAND...` as a Ray job of a tenant")
-    sm.add_argument("--tenant", required=True)
-    sm.add_argument("--weight", help=argparse.SUPPRESS)  # gone: refused with a message that says why
+    sm = sub.add_parser("submit", parents=[common, tenant], help="run `-- COMMAND...` as a job of your tenant")
     sm.add_argument("--working-dir", default=".", help="shipped with the job; its cwd (default: .)")
-    sm.add_argument("--wait", action="store_true", help="follow the logs; exit 0 only if the job succeeds")
+    sm.add_argument("--name", help="the job's id (default: TENANT-TIME-RANDOM)")
+    sm.add_argument("--wait", action="store_true", help="follow the log; exit 0 only if the job succeeds")
     sm.add_argument("entrypoint", nargs=argparse.REMAINDER, help="-- python script.py ...")
     sm.set_defaults(run=cmd_submit)
 
     st = sub.add_parser("status", parents=[common, admin, tenant], help="islands, hosts, slices, queues, shares: "
                         "the whole cluster with the admin credential, else your tenant's view")
-    st.add_argument("--tenant", help="show this tenant's view (default: PATHWAYS_TENANT, when there is no admin "
-                    "credential)")
     st.add_argument("--json", action="store_true", help="print the whole ClusterStatus as JSON")
     st.add_argument("--timeout", type=float, default=30.0)
     st.set_defaults(run=cmd_status)
 
-    jb = sub.add_parser("jobs", parents=[common], help="list jobs: id, tenant, status, start, end")
-    jb.add_argument("--tenant", help="only this tenant's jobs")
+    jb = sub.add_parser("jobs", parents=[common, admin, tenant], help="list jobs: id, tenant, status, start, end")
     jb.add_argument("--json", action="store_true")
     jb.set_defaults(run=cmd_jobs)
-
     lg = sub.add_parser("logs", parents=[common, admin, tenant], help="print one of your jobs' logs")
     lg.add_argument("job")
     lg.add_argument("--follow", "-f", action="store_true", help="stream until the job ends")
     lg.set_defaults(run=cmd_logs)
-
     sp = sub.add_parser("stop", parents=[common, admin, tenant], help="stop one of your jobs")
     sp.add_argument("job")
-    sp.add_argument("--timeout", type=float, default=30.0)
     sp.set_defaults(run=cmd_stop)
-
-    dn = sub.add_parser("down", parents=[common], help="remove the islands; stop the head if `up` started it")
-    dn.add_argument("--timeout", type=float, default=30.0)
-    dn.set_defaults(run=cmd_down)
 
     gr = sub.add_parser("graph", help="run SCRIPT.py and print (or --out render) the graph of its @pw.program")
     gr.add_argument("target", metavar="SCRIPT.py:FUNCTION")
@@ -157,10 +198,53 @@ def cmd_graph(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- where the runtime is ----------------------------------------------------------------------------
+
+def resolve_address(arg: str | None) -> str:
+    """``--address``, else ``PATHWAYS_ADDRESS``, else the saved login's, else the cluster ``pathways up``
+    recorded or started on this machine; CliError saying how to get one otherwise."""
+    if arg or os.environ.get(ADDRESS_ENV):
+        return arg or os.environ[ADDRESS_ENV]
+    try:
+        saved = load_login()
+    except PathwaysError as exc:
+        raise CliError(str(exc)) from None
+    if saved is not None:
+        return saved.address
+    state = head.load_state()
+    if state is not None and state.address:
+        return state.address
+    running = machine_runtime()
+    if running is not None:
+        return running
+    raise CliError("no cluster: pass --address pathways://HOST:PORT, set PATHWAYS_ADDRESS, run `pathways login` "
+                   "with what your admin gave you, or start one here with `pathways up`")
+
+
+def _launch(mode: str, options: dict, timeout: float) -> dict:
+    """Run ``python -m resource_manager.launch MODE`` (the runtime's only Ray driver) with ``options``."""
+    env = {k: v for k, v in os.environ.items() if k not in head.PRIVATE_ENV}
+    try:
+        proc = subprocess.run([sys.executable, "-m", "resource_manager.launch", mode], input=json.dumps(options) + "\n",
+                              capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        raise CliError(f"the runtime did not answer `{mode}` within {timeout:.0f}s") from None
+    lines = proc.stdout.strip().splitlines()
+    try:
+        answer = json.loads(lines[-1]) if lines else {}
+    except ValueError:
+        answer = {}
+    if "error" in answer or not answer:
+        text = answer.get("error") or (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise CliError(text)
+    return answer
+
+
 # -- up / down -------------------------------------------------------------------------------------
 
 def cmd_up(args: argparse.Namespace) -> int:
-    """``pathways up``: start a Ray head (or join ``--address``) and the runtime on it; create the admin credential."""
+    """``pathways up``: start a Ray head (or use ``--ray-address``) and the runtime on it; create the admin
+    credential; print the runtime's address and how tenants attach."""
     import pathways as pw
 
     t0 = time.monotonic()
@@ -171,53 +255,76 @@ def cmd_up(args: argparse.Namespace) -> int:
         raise CliError(str(exc)) from None
     if args.quota is not None and args.quota < 1:
         raise CliError(f"--quota must be a positive number of devices, got {args.quota}")
-    previous = jobs.load_state()
-    reuse = previous if previous and jobs.head_alive(previous) else None
-    if reuse and (args.address and jobs.resolve_address(args.address) != reuse.address or _runtime_runs(reuse)):
-        raise CliError(f"`pathways up` already runs a cluster at {reuse.address}; `pathways down` first")
-    registry = args.registry or str((jobs.home() / jobs.REGISTRY_FILE).resolve())
-    token, created = jobs.ensure_admin_credential()
+    if not (math.isfinite(args.session_grace) and args.session_grace > 0):
+        raise CliError(f"--session-grace must be a positive number of seconds, got {args.session_grace}")
+    _leftovers()
+    registry = args.registry or str((home() / "registry.json").resolve())
+    token, created = secrets.ensure_admin_credential()
     _check_registry(registry, token, args.quota)
-    head_pid = temp_dir = dashboard = None
-    if reuse:
-        address, head_pid, temp_dir, dashboard = reuse.address, reuse.head_pid, reuse.temp_dir, reuse.dashboard
-        os.environ["RAY_ADDRESS"] = address
-        print(f"the Ray head `pathways up` started at {address} still runs; starting the runtime on it", flush=True)
-    elif args.address:
-        address = jobs.resolve_address(args.address)
-    else:
-        dport = args.dashboard_port or (8265 if _port_free(8265) else jobs.free_port())
-        address, head_pid, temp_dir = jobs.start_head(args.port, dport, args.num_cpus, args.timeout)
-        dashboard = f"http://127.0.0.1:{dport}"
-        os.environ["RAY_ADDRESS"] = address
-        print(f"Ray head started at {address} (dashboard {dashboard}, logs {temp_dir}) "
-              f"in {time.monotonic() - t0:.1f}s", flush=True)
+    if not args.ray_address:
+        head.check_port_free(args.client_port, "the runtime's client")
+    started: dict[str, Any] = {"pid": None, "dir": None}  # the head, the moment its process exists
     try:
-        joined = _start_runtime(address, topology, token, registry, args.quota, args.timeout)
-    except BaseException:
-        if head_pid is not None and not reuse:
-            jobs.stop_head(head_pid, temp_dir)
+        if args.ray_address:
+            ray_address = args.ray_address
+        else:
+            def record(pid: int, folder: str) -> None:
+                started.update(pid=pid, dir=folder)
+                head.save_state(ClusterState(None, None, pid, folder, topology.to_wire(), time.time(), "starting"))
+
+            ray_address, _, _ = head.start_head(args.port, args.num_cpus, args.timeout, record)
+            say(f"Ray head started at {ray_address} (logs {started['dir']}) in {time.monotonic() - t0:.1f}s")
+        head.save_state(ClusterState(None, ray_address, started["pid"], started["dir"], topology.to_wire(),
+                                     time.time(), "starting"))
+        timeouts = Timeouts(start=args.timeout, grace=args.session_grace)
+        info = _launch("up", {"ray_address": ray_address, "topology": topology.to_wire(), "admin_credential": token,
+                              "registry": registry, "default_quota": args.quota, "job_user": args.job_user,
+                              "client_ports": [args.client_port, args.client_port], "op_timeout": timeouts.op,
+                              "gap_timeout": timeouts.gap, "start_timeout": timeouts.start, "grace": timeouts.grace},
+                       args.timeout + 60)
+    except BaseException:  # Ctrl-C, a kill, a failure: take down what this `up` started, and forget it
+        if started["pid"] is not None:
+            head.stop_head(started["pid"], started["dir"], timeout=5.0)
+        head.clear_state()
         raise
-    jobs.save_state(ClusterState(address, dashboard, head_pid, temp_dir, topology.to_wire(), time.time()))
-    auth = " RAY_AUTH_MODE=token" if os.environ.get("RAY_AUTH_MODE") == "token" else ""
-    print(f"pathways cluster up in {time.monotonic() - t0:.1f}s: {topology}"
-          + (" (the runtime already ran there)" if joined else "") + "\n"
-          f"  admin credential:    {jobs.admin_path()} ({'created now, ' if created else ''}readable by you only: "
-          f"it manages tenants; keep it secret)\n"
-          f"  tenant registry:     {registry} (on the head node; kept across `pathways down` / `up`)\n"
-          f"  add a tenant:        pathways tenants add NAME --weight W [--quota DEVICES]\n"
+    head_pid, temp_dir = started["pid"], started["dir"]
+    address = info["address"]
+    head.save_state(ClusterState(address, ray_address, head_pid, temp_dir, topology.to_wire(), time.time()))
+    head.publish(address)
+    say(f"pathways cluster up in {time.monotonic() - t0:.1f}s: {topology}\n"
+          f"  address:             {address}   (tenants attach here; no Ray address or token needed)\n"
+          f"  admin credential:    {secrets.admin_path()} ({'created now, ' if created else ''}readable by you "
+          f"only: it manages tenants; keep it secret)\n"
+          f"  tenant registry:     {registry} (kept across `pathways down` / `up`)\n"
+          f"  jobs run as:         {args.job_user or 'this user (pass --job-user USER to keep jobs away from Ray)'}\n"
+          f"  add a tenant:        pathways tenants add NAME --weight W [--quota DEVICES]   (prints its login)\n"
           f"  submit a job:        pathways submit --tenant NAME -- python script.py\n"
-          f"  attach from Python:  pw.init(address=\"{address}\", tenant=NAME)   (with NAME's credential)\n"
-          f"  attach from a shell: export RAY_ADDRESS={address}{auth}\n"
+          f"  attach from Python:  pw.init()   (on this machine), else pw.init(address=\"{address}\")\n"
           f"  watch / stop:        pathways status | pathways tenants list | pathways jobs | pathways down")
     return 0
 
 
-def _runtime_runs(state: ClusterState) -> bool:
-    from client.runtime import find_runtime
+def _leftovers() -> None:
+    """Refuse a second ``up`` while one runs; stop what an interrupted ``up`` of this machine left."""
+    state = head.load_state()
+    if state is None:
+        return
+    if state.phase == "starting":
+        if head.head_alive(state) or (state.temp_dir and head.processes_of(state.temp_dir)):
+            took = head.stop_head(state.head_pid, state.temp_dir, timeout=5.0)
+            print(f"stopped the Ray head an interrupted `pathways up` left (pid {state.head_pid}, {took:.1f}s)",
+                  flush=True)
+        head.clear_state()
+        return
+    from client.runtime import reachable
 
-    _connect(state.address)
-    return find_runtime() is not None
+    if state.address and reachable(state.address, 2.0):
+        raise CliError(f"`pathways up` already runs a cluster at {state.address}; `pathways down` first")
+    if head.head_alive(state):
+        head.stop_head(state.head_pid, state.temp_dir)
+        print("stopped the Ray head of a runtime that no longer answers", flush=True)
+    head.unpublish(state.address)
+    head.clear_state()
 
 
 def _check_registry(path: str, token: str, quota: int | None = None) -> None:
@@ -226,129 +333,86 @@ def _check_registry(path: str, token: str, quota: int | None = None) -> None:
     from pathways.auth import digest
 
     try:
-        data = json.loads(Path(path).read_text())
+        data = json.loads(open(path).read())
         owner, kept = data.get("admin"), data.get("default_quota")
     except FileNotFoundError:
         return
     except (OSError, ValueError, AttributeError) as exc:
         raise CliError(f"the tenant registry {path} is unreadable ({exc}); fix or move it") from None
     if owner and owner != digest(token):
-        raise CliError(f"the tenant registry {path} belongs to another admin credential than {jobs.admin_path()}: "
+        raise CliError(f"the tenant registry {path} belongs to another admin credential than {secrets.admin_path()}: "
                        "put that admin.token back, or move the registry away to start with no tenants")
     if quota is not None and kept != quota:
         print(f"note: the tenant registry {path} keeps the default quota it was created with "
               f"({'none' if kept is None else kept}); --quota applies to a new registry", flush=True)
 
 
-def _start_runtime(address: str, topology: Any, token: str, registry: str, quota: int | None,
-                   timeout: float) -> bool:
-    """Create the resource manager (a detached actor that starts and owns the islands; they outlive us), unless
-    one runs already; check that it takes this admin credential. Returns whether one ran already."""
-    import ray
-
-    from client.runtime import Timeouts, find_runtime, start_runtime
-    from pathways.auth import digest
-    from pathways.errors import PathwaysError
-
-    _connect(address)
-    existed = find_runtime() is not None
-    try:
-        rm = start_runtime(topology, Timeouts(start=timeout), digest(token), registry_path=registry,
-                           default_quota=quota)
-    except PathwaysError as exc:
-        raise CliError(str(exc)) from None
-    who = jobs.whoami(rm, "", token)
-    ray.shutdown()
-    if not (who and who["admin"]):
-        raise CliError(f"the pathways runtime at {address} does not take the admin credential in "
-                       f"{jobs.admin_path()}: another admin started it (or its registry was written with "
-                       "another admin credential)")
-    return existed
-
-
-def _port_free(port: int) -> bool:
-    try:
-        jobs.check_port_free(port, "dashboard")
-    except CliError:
-        return False
-    return True
-
-
 def cmd_down(args: argparse.Namespace) -> int:
-    """``pathways down``: remove the runtime's actors, and stop the Ray head if ``pathways up`` started it."""
-    address = jobs.resolve_address(args.address)
-    state = jobs.load_state()
-    ours = state if state and state.address == address and state.owns_head else None
-    if ours and not jobs.head_alive(ours):
-        print(f"the Ray head at {address} is already gone")
+    """``pathways down``: stop the runtime's jobs and actors, and the Ray head if ``pathways up`` started it."""
+    state = head.load_state()
+    if state is None:
+        raise CliError("no cluster that `pathways up` started is recorded here; on a cluster started elsewhere, "
+                       "run `pathways down` where it was started")
+    if state.phase == "starting":
+        took = head.stop_head(state.head_pid, state.temp_dir, timeout=5.0) if state.head_pid else 0.0
+        head.clear_state()
+        print(f"stopped what an interrupted `pathways up` left (the Ray head, pid {state.head_pid}, {took:.1f}s)"
+              if state.head_pid else "forgot an interrupted `pathways up` that had started nothing")
+        return 0
+    alive = head.head_alive(state) or not state.owns_head
+    if alive:
+        credential = secrets.need_admin_credential(args.admin_credential_file, "`pathways down`")
+        try:
+            _launch("down", {"ray_address": state.ray_address, "admin_credential": credential}, args.timeout + 60)
+            print("stopped the runtime's jobs and removed the resource manager and its islands")
+        except CliError as exc:
+            if not state.owns_head:
+                raise
+            print(f"the runtime did not stop cleanly ({exc}); stopping its Ray head")
+    if state.owns_head:
+        took = head.stop_head(state.head_pid, state.temp_dir, args.timeout)
+        print(f"stopped the Ray head that `pathways up` started ({took:.1f}s)")
     else:
-        removed = _remove_runtime(address, stop_jobs=ours is None)
-        print("removed the resource manager and its islands" if removed
-              else f"no pathways runtime was running at {address}")
-    if ours:
-        took = jobs.stop_head(ours.head_pid, ours.temp_dir, args.timeout)
-        print(f"stopped the Ray head at {address} that `pathways up` started ({took:.1f}s)")
-    else:
-        print(f"left the Ray head at {address} running: `pathways up` did not start it")
-    if state and state.address == address:
-        jobs.clear_state()
-    registry = jobs.home() / jobs.REGISTRY_FILE
+        print(f"left the Ray cluster at {state.ray_address} running: `pathways up` did not start it")
+    head.unpublish(state.address)
+    head.clear_state()
+    registry = home() / "registry.json"
     if registry.exists():
         print(f"the tenant registry stays in {registry}: the next `pathways up` keeps its tenants")
     return 0
 
 
-def _remove_runtime(address: str, stop_jobs: bool) -> list[str]:
-    """Kill the runtime's named actors, the resource manager first (it owns the islands' actors, so
-    they die with it). On a head we keep, also stop the jobs `pathways submit` started that still
-    run: they would recreate a resource manager."""
-    import ray
+# -- a tenant's own machine --------------------------------------------------------------------------
 
-    from pathways.names import NAMESPACE, RESOURCE_MANAGER
-
-    _connect(address)
-
-    def named() -> list[str]:
-        return sorted((a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                       if a["namespace"] == NAMESPACE and (a["name"] == RESOURCE_MANAGER
-                                                            or a["name"].startswith("island-"))),
-                      key=lambda n: n != RESOURCE_MANAGER)
-
-    names = named()
-    for name in names:
-        for attempt in range(3):  # a handle can fail to load while the GCS is busy; retry briefly
-            try:
-                ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
-                break
-            except ValueError:  # already gone: its owner (the resource manager) died first
-                break
-            except Exception as exc:
-                if attempt == 2:
-                    print(f"could not kill {name}: {type(exc).__name__}: {exc}", file=sys.stderr)
-                time.sleep(0.5)
-    deadline = time.monotonic() + 30
-    while (left := named()) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    if left:
-        raise CliError(f"these runtime actors survived: {left}")
-    ray.shutdown()
-    if stop_jobs:
-        client = jobs.job_client(timeout=10.0)
-        for row in jobs.job_rows(client):
-            if row["tenant"] != "-" and row["status"] in ("PENDING", "RUNNING"):
-                client.stop_job(row["id"])
-                print(f"stopped job {row['id']} (tenant {row['tenant']})")
-    return names
-
-
-def _connect(address: str) -> None:
-    from client.runtime import connect
-    from pathways.errors import PathwaysError
-
+def cmd_login(args: argparse.Namespace) -> int:
+    """``pathways login``: check the credential against the runtime, then save address, tenant and credential."""
+    secrets.check_tenant(args.tenant)
+    credential = args.credential or secrets.read_secret(args.credential_file)
+    if not credential:
+        raise CliError(f"--credential-file {args.credential_file}: no such file (or it is empty)")
     try:
-        connect(address)
+        link = Link(args.login_address, 0, None, expect_role(None, "rm"), "the resource manager")
+        who = link.call(lambda rid: WhoAmI(rid, args.tenant, credential), 30)
+        link.close()
     except PathwaysError as exc:
-        raise CliError(str(exc)) from None
+        raise CliError(f"login to {args.login_address} as {args.tenant} failed: {exc}") from None
+    if who.get("tenant") != args.tenant:
+        raise CliError("that is the admin credential; log in with a tenant's credential (`pathways tenants add`)")
+    path = save_login(Login(args.login_address, args.tenant, credential))
+    print(f"logged in to {args.login_address} as {args.tenant}; saved in {path} (readable by you only).\n"
+          f"  pw.init() and `pathways status | submit | jobs | logs | stop` use it from now on.")
+    return 0
+
+
+def cmd_logout(args: argparse.Namespace) -> int:
+    """``pathways logout``: forget the saved login."""
+    path = login_path()
+    if path.exists():
+        path.unlink()
+        print(f"forgot the login in {path}")
+    else:
+        print("not logged in")
+    return 0
 
 
 # -- tenants (the admin's) -------------------------------------------------------------------------
@@ -356,24 +420,29 @@ def _connect(address: str) -> None:
 def _admin(args: argparse.Namespace) -> Any:
     from client.admin import Admin
 
-    credential = jobs.need_admin_credential(args.admin_credential_file, f"`pathways tenants {args.action}`")
-    return Admin(jobs.runtime(jobs.resolve_address(args.address)), credential)
+    credential = secrets.need_admin_credential(args.admin_credential_file, f"`pathways tenants {args.action}`")
+    try:
+        return Admin.connect(resolve_address(args.address), credential)
+    except PathwaysError as exc:
+        raise CliError(str(exc)) from None
 
 
 def _as_admin(fn: Any, *a: Any, **kw: Any) -> Any:
     """Run one admin operation; what the resource manager refuses becomes a one-line error."""
-    from ray.exceptions import GetTimeoutError, RayActorError
-
-    from pathways.errors import PathwaysError
-
     try:
         return fn(*a, **kw)
     except PathwaysError as exc:
         raise CliError(str(exc)) from None
-    except GetTimeoutError:
-        raise CliError("the resource manager did not answer in time") from None
-    except RayActorError:
-        raise CliError("the resource manager is gone; restart it with `pathways up`") from None
+
+
+def _budgets(pairs: list[str]) -> dict[str, int]:
+    out = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not value.strip().isdigit():
+            raise CliError(f"--budget {pair!r}: write NAME=VALUE with a whole number, e.g. host_bytes=4294967296")
+        out[name.strip()] = int(value)
+    return out
 
 
 def _check_weight(weight: float | None) -> None:
@@ -390,25 +459,24 @@ def _tenant_line(t: dict) -> str:
     return f"tenant {t['name']}: weight {t['weight']:g}, quota {'none' if t['quota'] is None else t['quota']}"
 
 
-def _show_credential(name: str, secret: str) -> None:
-    path = jobs.write_secret(jobs.credential_path(name), secret)
-    print(f"credential of {name} (shown only this once): {secret}\n"
-          f"  saved to {path} (readable by you only); there `pathways submit --tenant {name}` and "
-          f"pw.init(tenant=\"{name}\") find it.\n"
-          f"  Hand it to {name} over a private channel; on their machine they save it as "
-          f"$PATHWAYS_HOME/credentials/{name} (or set PATHWAYS_CREDENTIAL).")
+def _show_credential(name: str, secret: str, address: str) -> None:
+    path = secrets.write_secret(secrets.credential_path(name), secret)
+    print(f"credential of {name} (shown only this once), saved to {path} (readable by you only).\n"
+          f"  Hand {name} this command over a private channel; on their machine it sets everything up:\n\n"
+          f"    pathways login {address} --tenant {name} --credential {secret}\n")
 
 
 def cmd_tenants_add(args: argparse.Namespace) -> int:
-    """``pathways tenants add``: register a tenant and print its credential once."""
-    jobs.check_tenant(args.name)
+    """``pathways tenants add``: register a tenant and print its login command once."""
+    secrets.check_tenant(args.name)
     _check_weight(args.weight)
     _check_quota(args.quota)
+    budgets = _budgets(args.budget)
     admin = _admin(args)
-    secret = _as_admin(admin.add_tenant, args.name, args.weight, args.quota)
+    secret = _as_admin(admin.add_tenant, args.name, args.weight, args.quota, budgets)
     (record,) = [t for t in _as_admin(admin.tenants) if t["name"] == args.name]
     print(f"added {_tenant_line(record)}")
-    _show_credential(args.name, secret)
+    _show_credential(args.name, secret, resolve_address(args.address))
     return 0
 
 
@@ -425,20 +493,24 @@ def cmd_tenants_list(args: argparse.Namespace) -> int:
 
 
 def cmd_tenants_set(args: argparse.Namespace) -> int:
-    """``pathways tenants set``: change a tenant's weight, quota or credential."""
-    if args.weight is None and args.quota is None and not args.no_quota and not args.new_credential:
-        raise CliError("nothing to change: pass --weight W, --quota DEVICES, --no-quota or --new-credential")
+    """``pathways tenants set``: change a tenant's weight, quota, budgets or credential."""
+    if (args.weight is None and args.quota is None and not args.no_quota and not args.new_credential
+            and not args.budget):
+        raise CliError("nothing to change: pass --weight W, --quota DEVICES, --no-quota, --budget NAME=VALUE or "
+                       "--new-credential")
     _check_weight(args.weight)
     _check_quota(args.quota)
     admin = _admin(args)
-    change: dict[str, Any] = {"weight": args.weight, "new_credential": args.new_credential}
+    change: dict[str, Any] = {"weight": args.weight, "new_credential": args.new_credential,
+                              "budgets": _budgets(args.budget)}
     if args.quota is not None or args.no_quota:
         change["quota"] = args.quota
     secret = _as_admin(admin.set_tenant, args.name, **change)
     (record,) = [t for t in _as_admin(admin.tenants) if t["name"] == args.name]
     print(f"changed {_tenant_line(record)}")
     if secret:
-        _show_credential(args.name, secret)
+        print("  the old credential, its sessions and its jobs' unused tickets no longer work")
+        _show_credential(args.name, secret, resolve_address(args.address))
     return 0
 
 
@@ -446,34 +518,45 @@ def cmd_tenants_remove(args: argparse.Namespace) -> int:
     """``pathways tenants remove``: remove a tenant (its sessions end) and delete its saved credential."""
     _as_admin(_admin(args).remove_tenant, args.name)
     print(f"removed tenant {args.name}: its sessions ended and its slices and buffers were reclaimed")
-    path = jobs.credential_path(args.name)
+    path = secrets.credential_path(args.name)
     if path.exists():
         path.unlink()
         print(f"  deleted its credential {path}")
     return 0
 
 
-# -- status ----------------------------------------------------------------------------------------
+# -- status and jobs -------------------------------------------------------------------------------
+
+def _identity(args: argparse.Namespace, what: str) -> tuple[str, str, bool]:
+    """(tenant, credential, is_admin) to act with: the admin credential unless a tenant was named, else the
+    tenant's; CliError saying how to get one otherwise."""
+    if not getattr(args, "tenant", None) and not getattr(args, "credential_file", None):
+        admin = secrets.admin_credential(getattr(args, "admin_credential_file", None))
+        if admin is not None:
+            return "", admin, True
+    found = secrets.tenant_identity(getattr(args, "tenant", None), getattr(args, "credential_file", None))
+    if found is None:
+        raise CliError(f"`pathways {what}` needs a tenant's credential (`pathways login ADDRESS --tenant NAME "
+                       f"--credential ...`, or --tenant with --credential-file) or the admin's "
+                       f"({secrets.admin_path()})")
+    return found[0], found[1], False
+
 
 def cmd_status(args: argparse.Namespace) -> int:
     """``pathways status``: the whole cluster with the admin credential, else one tenant's view."""
-    admin_credential = None if args.tenant else jobs.admin_credential(args.admin_credential_file)
-    tenant = args.tenant or os.environ.get(jobs.TENANT_ENV)
-    if admin_credential is None and not tenant:
-        raise CliError(f"`pathways status` shows the whole cluster with the admin credential ({jobs.admin_path()} "
-                       "or --admin-credential-file), or one tenant's view: set PATHWAYS_TENANT (or pass --tenant) "
-                       "and hold its credential")
-    address = jobs.resolve_address(args.address)
-    rm = jobs.runtime(address)
-    if admin_credential is not None:
+    tenant, credential, is_admin = _identity(args, "status")
+    address = resolve_address(args.address)
+    if is_admin:
         from client.admin import Admin
         from client.status import admin_status
 
-        admin = Admin(rm, admin_credential, timeout=args.timeout)
-        snapshot = _as_admin(admin_status, admin, args.timeout)
-        refusals = _as_admin(admin.state).get("refusals", [])
+        try:
+            admin = Admin.connect(address, credential, timeout=args.timeout)
+            snapshot, refusals = _as_admin(admin_status, admin), _as_admin(admin.state).get("refusals", [])
+        except PathwaysError as exc:
+            raise CliError(str(exc)) from None
     else:
-        snapshot, refusals = _tenant_status(address, tenant, args.credential_file, args.timeout), None
+        snapshot, refusals = _tenant_status(address, tenant, credential, args.timeout), None
     if args.json:
         print(json.dumps({**asdict(snapshot), "view": "admin" if refusals is not None else f"tenant {tenant}",
                           **({"refusals": refusals} if refusals is not None else {})}, indent=2, default=str))
@@ -482,14 +565,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def _tenant_status(address: str, tenant: str, credential_file: str | None, timeout: float) -> Any:
+def _tenant_status(address: str, tenant: str, credential: str, timeout: float) -> Any:
     import pathways as pw
 
-    found = jobs.tenant_credential(jobs.check_tenant(tenant), credential_file)
-    if found is None:
-        raise CliError(_no_credential(tenant))
     try:
-        pw.init(address=address, tenant=tenant, credential=found[0])
+        pw.init(address=address, tenant=tenant, credential=credential)
         return pw.status(timeout=timeout)
     except pw.PathwaysError as exc:
         raise CliError(str(exc)) from None
@@ -497,50 +577,37 @@ def _tenant_status(address: str, tenant: str, credential_file: str | None, timeo
         pw.shutdown()
 
 
-# -- jobs ------------------------------------------------------------------------------------------
-
-def _no_credential(tenant: str) -> str:
-    return (f"no credential for tenant {tenant!r}: pass --credential-file FILE, set PATHWAYS_CREDENTIAL, or save "
-            f"it as {jobs.credential_path(tenant)} (the cluster's admin issues it: `pathways tenants add`)")
+def _jobs(args: argparse.Namespace, what: str) -> Jobs:
+    tenant, credential, _ = _identity(args, what)
+    return Jobs(resolve_address(args.address), tenant, credential)
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    """``pathways submit``: run a command as a Ray job of a tenant, handing it a single-use ticket."""
-    if args.weight is not None:
-        raise CliError("submit takes no --weight: a tenant's weight is the cluster admin's to set "
-                       "(`pathways tenants set NAME --weight W`)")
-    entrypoint = args.entrypoint[1:] if args.entrypoint[:1] == ["--"] else args.entrypoint
-    tenant = jobs.check_tenant(args.tenant)
-    if not entrypoint:
-        raise CliError("nothing to run: put the command after `--`, e.g. pathways submit --tenant a -- python x.py")
-    working_dir = os.path.abspath(args.working_dir)
-    if not Path(working_dir).is_dir():
-        raise CliError(f"working directory {args.working_dir!r} does not exist")
-    found = jobs.tenant_credential(tenant, args.credential_file)
+    """``pathways submit``: run a command as a job of a tenant, in a copy of the working directory."""
+    entrypoint = entrypoint_of(args.entrypoint)
+    working_dir = working_dir_of(args.working_dir)
+    found = secrets.tenant_identity(args.tenant, args.credential_file)
     if found is None:
-        raise CliError(_no_credential(tenant))
-    address = jobs.resolve_address(args.address)
-    job_id = jobs.new_submission_id(tenant)
-    ticket = jobs.issue_ticket(jobs.runtime(address), tenant, found[0], job_id)
-    client = jobs.job_client()
-    jobs.submit(client, tenant, ticket, entrypoint, working_dir, job_id)
-    print(f"submitted {job_id} (tenant {tenant}) to {address}", flush=True)
+        raise CliError("`pathways submit` needs your tenant's credential: `pathways login ADDRESS --tenant NAME "
+                       "--credential ...` (what `pathways tenants add` printed), or --tenant NAME with its "
+                       "credential file")
+    tenant, credential = found
+    address = resolve_address(args.address)
+    runner = Jobs(address, tenant, credential)
+    row = runner.submit(entrypoint, pack(working_dir), args.name)
+    job = row["id"]
+    print(f"submitted {job} (tenant {tenant}) to {address}", flush=True)
     if not args.wait:
-        print(f"  follow it: pathways logs {job_id} --follow")
+        print(f"  follow it: pathways logs {job} --follow")
         return 0
-    jobs.follow_logs(client, job_id, lambda s: print(s, end="", flush=True))
-    status = jobs.wait_job(client, job_id, timeout=60)
-    # Ray appends the log tail to the message; it was just printed.
-    message = (client.get_job_info(job_id).message or "").split(", last available logs")[0] if status != "SUCCEEDED" \
-        else ""
-    print(f"job {job_id} {status}" + (f": {message}" if message else ""))
+    status = runner.follow(job, lambda s: print(s, end="", flush=True))
+    print(f"job {job} {status}")
     return 0 if status == "SUCCEEDED" else 1
 
 
 def cmd_jobs(args: argparse.Namespace) -> int:
-    """``pathways jobs``: every submitted job with its tenant and status."""
-    jobs.resolve_address(args.address)
-    rows = [r for r in jobs.job_rows(jobs.job_client()) if not args.tenant or r["tenant"] == args.tenant]
+    """``pathways jobs``: the jobs you may see (your tenant's, or every job with the admin credential)."""
+    rows = _jobs(args, "jobs").list()
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -550,39 +617,24 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     return 0
 
 
-def _own_job(args: argparse.Namespace, what: str) -> Any:
-    """The job client, once the caller has shown it may act on ``args.job``: it holds the admin credential, or
-    the credential of the tenant that submitted the job (the resource manager checks either)."""
-    address = jobs.resolve_address(args.address)
-    client = jobs.job_client()
-    tenant = jobs.job_tenant(client, args.job)
-    rm = jobs.runtime(address)
-    admin = jobs.admin_credential(args.admin_credential_file)
-    if admin is not None and (jobs.whoami(rm, "", admin) or {}).get("admin"):
-        return client
-    found = jobs.tenant_credential(tenant, args.credential_file) if tenant and jobs.TENANT_PATTERN.match(tenant) \
-        else None
-    if found is not None and jobs.whoami(rm, tenant, found[0]) is not None:
-        return client
-    raise CliError(f"job {args.job} is not yours: `pathways {what}` acts only on jobs of a tenant whose credential "
-                   "you hold, or on any job with the cluster's admin credential")
-
-
 def cmd_logs(args: argparse.Namespace) -> int:
-    """``pathways logs``: print (or follow) the logs of a job the caller may act on."""
-    client = _own_job(args, "logs")
+    """``pathways logs``: print (or follow) the log of a job you may act on."""
+    runner = _jobs(args, "logs")
     if args.follow:
-        jobs.follow_logs(client, args.job, lambda s: print(s, end="", flush=True))
-    else:
-        print(client.get_job_logs(args.job), end="")
-    return 0
+        runner.follow(args.job, lambda s: print(s, end="", flush=True))
+        return 0
+    offset = 0
+    while True:
+        chunk = runner.logs(args.job, offset)
+        print(chunk["text"], end="")
+        offset = chunk["offset"]
+        if not chunk["text"]:
+            return 0
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    """``pathways stop``: stop a job the caller may act on, and wait until it ends."""
-    client = _own_job(args, "stop")
-    client.stop_job(args.job)
-    print(f"job {args.job} {jobs.wait_job(client, args.job, args.timeout)}")
+    """``pathways stop``: stop a job you may act on, and wait until it ends."""
+    print(f"job {args.job} {_jobs(args, 'stop').stop(args.job)}")
     return 0
 
 

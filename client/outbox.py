@@ -1,10 +1,12 @@
-"""A client's messages to the island schedulers: in order, coalesced while a connection is busy.
+"""A client's messages to the island schedulers: in order, coalesced while a scheduler is busy.
 
 Each island has one outbox, whose messages go to the island's host 0 as ``batch`` frames numbered by the
-client's stream. Whoever puts a message while nothing is being sent sends it at once, on its own thread (a
-lone call never waits for a thread switch); while a send is under way, new messages wait and the sender
-takes them all as its next batch. A client dispatching faster than the host reads pays one frame per batch
-instead of one per message, and when the host falls far behind, TCP's backpressure holds the dispatcher.
+client's stream; the host answers each batch once it has taken it. A message goes at once while fewer than
+``WINDOW`` batches are unanswered, so a lone call (or a short run of them) never waits, not even for a thread
+switch: the caller sends it. Otherwise the host is still busy with earlier batches, and the message waits
+for the oldest answer together with whatever else the client dispatches meanwhile; all of them then go as one
+batch. A client dispatching faster than the host absorbs pays one frame per batch instead of one per message,
+and so does the host, which every client of the island shares.
 """
 
 from __future__ import annotations
@@ -12,67 +14,118 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
+from concurrent.futures import Future, wait
 from typing import Any
 
+from client.link import LinkClosed
 from pathways.errors import PathwaysError
 from pathways.requests import Batch
 
+WINDOW = 2  # batches sent and not answered yet, per island
 log = logging.getLogger(__name__)
 
 
 class Outbox:
-    """The messages to one island's scheduler (host 0)."""
+    """The messages to one island's scheduler (host 0). ``wake`` is set when an answer lets held messages go."""
 
-    def __init__(self, session: Any, island: int) -> None:
-        self._session, self._island = session, island
-        self._cond = threading.Condition()
+    def __init__(self, session: Any, island: int, wake: threading.Event, window: int = WINDOW) -> None:
+        self._session, self._island, self._wake, self._window = session, island, wake, window
+        self._lock = threading.Lock()
+        self._sending = threading.Lock()  # one sender at a time, so batches leave in their stream's order
         self._held: list[bytes] = []
-        self._sending = False
+        self._answers: deque[Future] = deque()
         self._next = 0  # the number of the next message in this client's stream to the island
         self.failed: str | None = None
 
     def put(self, payload: bytes) -> None:
-        """Queue one message and, unless a send is under way, send what is queued."""
-        with self._cond:
+        """Queue one message and send what the window allows (on this thread)."""
+        with self._lock:
             self._held.append(payload)
-            if self._sending:
-                return
-            self._sending = True
-        self._pump()
+        self.flush()
 
-    def _pump(self) -> None:
+    def flush(self) -> None:
+        """Send what is held, as the window allows."""
         while True:
-            with self._cond:
-                if not self._held:
-                    self._sending = False
-                    self._cond.notify_all()
-                    return
-                batch, self._held = self._held, []
-                first = self._next
-                self._next += len(batch)
+            if not self._sending.acquire(blocking=False):
+                return  # another thread is sending; it looks again before it lets go
             try:
-                self._session.link(self._island, 0).send(Batch(first, batch).encode())
-            except PathwaysError as exc:  # the island failed: these messages are lost with it
-                self.failed = str(exc)
-                log.info("island %d did not take %d message(s): %s", self._island, len(batch), exc)
+                while self._send_one():
+                    pass
+            finally:
+                self._sending.release()
+            with self._lock:  # a message put while we were letting go would otherwise wait for the next answer
+                if not self._held or self._window_full():
+                    return
+
+    def _window_full(self) -> bool:
+        while self._answers and self._answers[0].done():
+            self._answers.popleft()
+        return len(self._answers) >= self._window
+
+    def _send_one(self) -> bool:
+        with self._lock:
+            if not self._held or self._window_full():
+                return False
+            batch, self._held = self._held, []
+            first = self._next
+            self._next += len(batch)
+        try:
+            answer = self._session.link(self._island, 0).start(lambda rid: Batch(rid, first, batch))
+        except PathwaysError as exc:  # the island failed: these messages are lost with it
+            self.failed = str(exc)
+            log.info("island %d did not take %d message(s): %s", self._island, len(batch), exc)
+            return True
+        with self._lock:
+            self._answers.append(answer)
+        answer.add_done_callback(self._answered)
+        return True
+
+    def _answered(self, answer: Future) -> None:
+        """Runs on the link's reader thread: only wakes the sender thread, never sends."""
+        exc = answer.exception()
+        if exc is not None and not isinstance(exc, LinkClosed):  # a dead island is the session's to report
+            log.error("island %d refused a batch of this client's messages: %s", self._island, exc)
+        if self._held:
+            self._wake.set()
 
     def drain(self, deadline: float) -> bool:
-        """Wait until everything queued has been sent; False if ``deadline`` (monotonic) passed first."""
-        with self._cond:
-            while self._held or self._sending:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(left)
-        return True
+        """Send everything held, waiting for answers as needed; False if ``deadline`` (monotonic) passed first."""
+        while True:
+            self.flush()
+            with self._lock:
+                if not self._held and not self._answers:
+                    return True
+                pending = list(self._answers)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            wait(pending[:1], timeout=left)
+            with self._lock:
+                self._window_full()  # drops the answered ones
 
 
 class Outboxes:
-    """One outbox per island."""
+    """One outbox per island, and the thread that sends held messages when answers free the window."""
 
-    def __init__(self, session: Any, islands: int) -> None:
-        self._session = session
-        self._boxes = [Outbox(session, i) for i in range(islands)]
+    def __init__(self, session: Any, islands: int, window: int = WINDOW) -> None:
+        self._session, self._window = session, window
+        self._wake = threading.Event()
+        self._boxes = [Outbox(session, i, self._wake, window) for i in range(islands)]
+        self._stopped = False
+        threading.Thread(target=self._run, name="pathways-outbox", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()  # an answer after this sets it again; one before it is seen by flush below
+            if self._stopped:
+                return
+            for box in list(self._boxes):
+                try:
+                    box.flush()
+                except Exception as exc:  # never let the sender die silently
+                    log.warning("sending to an island failed: %s", exc)
 
     def put(self, island: int, payload: bytes) -> None:
         """Queue one message for ``island``'s scheduler (see ``Outbox.put``)."""
@@ -80,11 +133,10 @@ class Outboxes:
 
     def restart(self, island: int) -> None:
         """A restarted island's new scheduler: the client's stream to it starts again at message 0."""
-        self._boxes[island] = Outbox(self._session, island)
+        self._boxes[island] = Outbox(self._session, island, self._wake, self._window)
 
     def drain(self, timeout: float, skip: set[int]) -> bool:
-        """Wait until everything queued has been sent (except to the islands in ``skip``); False if an island
-        did not take it in time."""
+        """Send everything held (except to the islands in ``skip``); False if an island did not take it in time."""
         deadline = time.monotonic() + timeout
         ok = True
         for island, box in enumerate(self._boxes):
@@ -94,5 +146,7 @@ class Outboxes:
         return ok
 
     def close(self, timeout: float, skip: set[int]) -> None:
-        """Send everything still queued (except to the islands in ``skip``)."""
+        """Send everything still held (except to the islands in ``skip``), then stop the sender thread."""
         self.drain(timeout, skip)
+        self._stopped = True
+        self._wake.set()

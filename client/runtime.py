@@ -1,8 +1,9 @@
 """Finding the runtime to attach to, or starting an embedded one.
 
 A client attaches to the runtime's address, ``pathways://HOST:PORT``: the one given to ``pw.init``, else
-``PATHWAYS_ADDRESS``, else the one saved by ``pathways login``, else the runtime ``pathways up`` started on this
-machine (``/tmp/pathways/current``, when something answers there). With none of these, ``pw.init()`` starts an
+``PATHWAYS_ADDRESS``, else the one saved by ``pathways login``, else (for a ``pw.init()`` that asks for no
+topology of its own) the runtime ``pathways up`` started on this machine (``/tmp/pathways/current``, when
+something answers there). With none of these, ``pw.init()`` starts an
 embedded local cluster: a child process (``python -m resource_manager.launch embedded``) that starts Ray and
 the runtime, and lives exactly as long as this client (it stops when its stdin closes, which happens when this
 process ends for any reason). Either way the client attaches through the same protocol; this process never
@@ -21,7 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pathways.errors import PathwaysError, ResourceError, from_wire
-from pathways.names import ADDRESS_ENV, CURRENT_FILE, HOME_ENV, LOGIN_FILE
+from pathways.names import ADDRESS_ENV, CURRENT_FILE, HOME_ENV, LOGIN_FILE, TMPDIR_ENV
 from pathways.protocol.address import parse_address
 from pathways.topology import Topology
 
@@ -50,6 +51,12 @@ class Timeouts:
     poll: float = 1.0
     gap: float = 30.0
     grace: float = 10.0
+
+
+def current_file() -> Path:
+    """Where ``pathways up`` publishes this machine's runtime: ``$PATHWAYS_TMPDIR/current`` (default
+    ``/tmp/pathways/current``)."""
+    return Path(os.environ.get(TMPDIR_ENV) or "/tmp/pathways") / CURRENT_FILE
 
 
 def home() -> Path:
@@ -108,18 +115,19 @@ def reachable(address: str, timeout: float = CONNECT_TIMEOUT_S) -> bool:
 def machine_runtime() -> str | None:
     """The address of the runtime ``pathways up`` started on this machine, if one answers there."""
     try:
-        address = Path(CURRENT_FILE).read_text().strip()
+        address = current_file().read_text().strip()
     except OSError:
         return None
     if address and reachable(address, 1.0):
         return address
     if address:
-        log.info("ignoring %s (%s): nothing answers there", CURRENT_FILE, address)
+        log.info("ignoring %s (%s): nothing answers there", current_file(), address)
     return None
 
 
-def find_address(address: str | None) -> tuple[str | None, str]:
-    """The runtime to attach to and where its address came from; (None, "") when there is none to attach to."""
+def find_address(address: str | None, machine: bool = True) -> tuple[str | None, str]:
+    """The runtime to attach to and where its address came from; (None, "") when there is none to attach to.
+    ``machine``: a runtime ``pathways up`` started on this machine counts too."""
     if address:
         return address, "pw.init(address=...)"
     if os.environ.get(ADDRESS_ENV):
@@ -127,9 +135,9 @@ def find_address(address: str | None) -> tuple[str | None, str]:
     saved = load_login()
     if saved is not None:
         return saved.address, str(login_path())
-    running = machine_runtime()
+    running = machine_runtime() if machine else None
     if running is not None:
-        return running, f"{CURRENT_FILE} (`pathways up` on this machine)"
+        return running, f"{current_file()} (`pathways up` on this machine)"
     return None, ""
 
 
@@ -165,6 +173,8 @@ class Embedded:
             self.proc.stdin.close()
         except OSError:
             pass
+        if timeout <= 0:
+            return  # it stops by itself: its stdin is closed
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:

@@ -8,6 +8,7 @@ init: there is no global configuration to mutate.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
@@ -326,9 +327,10 @@ class Session:
             raise IslandFailedError("the islands did not take this client's messages in time")
 
     # -- teardown -----------------------------------------------------------------------------------------
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         """End the session: free every buffer of this client on the islands, flush what is held, and tell the
-        resource manager, which releases the client's slices. Idempotent."""
+        resource manager, which releases the client's slices. Idempotent. ``wait``: also wait for an embedded
+        cluster to stop (at interpreter exit it stops by itself once this process is gone)."""
         if self.closed:
             return
         self.frees.stop()
@@ -347,7 +349,7 @@ class Session:
                 link.close()
         self.rm.close()
         if self.embedded is not None:
-            self.embedded.stop()
+            self.embedded.stop(30.0 if wait else 0.0)
 
 
 class FreeBatcher:
@@ -417,9 +419,9 @@ def init(topology: Topology | None = None, address: str | None = None, *, tenant
         topology: the islands of an embedded cluster (``pw.Topology``; default 2 islands x 1 host x 4 CPU
             devices). Attaching to a running runtime, a given topology must equal its own.
         address: the runtime's address, ``pathways://HOST:PORT`` (what ``pathways up`` prints). Default:
-            ``PATHWAYS_ADDRESS``, else the address ``pathways login`` saved, else the runtime ``pathways up``
-            started on this machine, else an embedded local cluster this call starts (and ``pw.shutdown``, or
-            this process's end, stops).
+            ``PATHWAYS_ADDRESS``, else the address ``pathways login`` saved, else (with no ``topology``) the runtime
+            ``pathways up`` started on this machine, else an embedded local cluster this call starts (and
+            ``pw.shutdown``, or this process's end, stops).
         tenant: the tenant to act as (default ``PATHWAYS_TENANT``, else the saved login's, else ``"default"``).
             On an embedded cluster this is its one implicit tenant and needs no credential.
         credential: the tenant's credential, issued by the cluster's admin (default ``PATHWAYS_CREDENTIAL``,
@@ -448,7 +450,7 @@ def init(topology: Topology | None = None, address: str | None = None, *, tenant
             raise PathwaysError(f"timeouts must be a pw.Timeouts, got {type(timeouts).__name__}")
         if topology is not None and not isinstance(topology, Topology):
             raise PathwaysError(f"topology must be a pw.Topology, got {type(topology).__name__}")
-        found, source = find_address(address)
+        found, source = find_address(address, machine=topology is None)
         saved = load_login() if source.endswith("login.json") else None
         tenant = tenant or os.environ.get(TENANT_ENV) or (saved.tenant if saved else None) or "default"
         ticket = None if credential else _read_ticket()
@@ -459,6 +461,9 @@ def init(topology: Topology | None = None, address: str | None = None, *, tenant
             admin, credential, ticket = auth.new_secret(), credential or auth.new_secret(), None
             embedded = Embedded(topology or Topology(), timeouts, admin, tenant, credential, default_quota)
             found = embedded.address
+        elif credential is None and ticket is None and os.environ.get(JOB_ENV):
+            raise TenantAccessError(f"job {os.environ[JOB_ENV]}'s ticket was already used: a job's ticket opens one "
+                                    "session; keep the session the first pw.init() returned for the whole job")
         elif credential is None and ticket is None:
             raise TenantAccessError(f"tenant {tenant!r} has no credential on this machine: ask the cluster's admin "
                                     f"for one (`pathways tenants add {tenant}` prints a `pathways login` command), "
@@ -475,7 +480,18 @@ def init(topology: Topology | None = None, address: str | None = None, *, tenant
             raise ResourceError(f"the runtime at {found} runs {session.topology}; you asked for {topology}. Call "
                                 "pw.init() without a topology to attach, or start a new cluster")
         _session = session
+        atexit.register(_at_exit, session)
         return _session
+
+
+def _at_exit(session: Session) -> None:
+    """A process that ends without ``pw.shutdown`` still closes its session at once (instead of leaving it to the
+    runtime's grace period), in bounded time."""
+    if not session.closed:
+        try:
+            session.close(wait=False)
+        except Exception:  # the interpreter is going away: never stop it from doing so
+            pass
 
 
 def _read_ticket() -> str | None:

@@ -8,10 +8,11 @@ CREDENTIAL_ENV = "PATHWAYS_CREDENTIAL"
 TICKET_FD_ENV = "PATHWAYS_TICKET_FD"  # a job's inherited pipe holding its single-use ticket
 JOB_ENV = "PATHWAYS_JOB"  # the id of the job a process runs as
 HOME_ENV = "PATHWAYS_HOME"  # where the command and pw.init keep state and credentials (default ~/.pathways)
+TMPDIR_ENV = "PATHWAYS_TMPDIR"  # where this machine's runtime publishes its address (default /tmp/pathways)
 
 # -- files ----------------------------------------------------------------------------------------------------
 LOGIN_FILE = "login.json"  # under $PATHWAYS_HOME: a tenant's address, name and credential (`pathways login`)
-CURRENT_FILE = "/tmp/pathways/current"  # the address of the runtime `pathways up` started on this machine
+CURRENT_FILE = "current"  # under $PATHWAYS_TMPDIR: the address of the runtime `pathways up` started here
 
 NAMESPACE = "pathways"
 RESOURCE_MANAGER = "resource_manager"

@@ -35,11 +35,13 @@ class Answer:
 
 # -- a client's requests to an island host -------------------------------------------------------------------
 
-@declare("batch", {"first": int, "msgs": ("list", bytes)})
+@declare("batch", {"rid": int, "first": int, "msgs": ("list", bytes)})
 class Batch:
     """Messages ``first``, ``first + 1``, ... of the client's stream to the island (``call``, ``put`` and
-    ``free`` of ``pathways.messages``): only host 0 takes them; each is admitted or refused alone."""
+    ``free`` of ``pathways.messages``): only host 0 takes them; each is admitted or refused alone. The answer
+    says the island has taken them (the client sends more while it waits for at most a few answers)."""
 
+    rid: int
     first: int
     msgs: list
 

@@ -10,16 +10,14 @@ from __future__ import annotations
 import json
 import sys
 
-import ray
-
 import pathways as pw
 
 
 def main() -> None:
     islands, hosts, devices = (int(a) for a in sys.argv[1:4])
-    pw.init(topology=pw.Topology(islands, hosts, devices))
+    session = pw.init(topology=pw.Topology(islands, hosts, devices))
     credentials = {tenant: pw.admin().add_tenant(tenant) for tenant in sys.argv[4:]}
-    print(json.dumps({"address": ray.get_runtime_context().gcs_address, "credentials": credentials}), flush=True)
+    print(json.dumps({"address": session.address, "credentials": credentials}), flush=True)
     sys.stdin.read()
     pw.shutdown()
 

@@ -10,17 +10,25 @@ says so with ``pytestmark = pytest.mark.cluster``. Every other test is in the **
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 
 # The client needs no devices, but the pure-JAX model tests shard over 4: give this process 4 CPU devices
 # before JAX loads (island hosts set their own through their runtime_env).
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+# The suite keeps its state, credentials and published addresses to itself: a developer's login or a runtime
+# `pathways up` started on this machine is never the suite's, and the suite's never theirs.
+_PRIVATE = tempfile.mkdtemp(prefix="pathways-tests-")
+os.environ["PATHWAYS_HOME"] = os.path.join(_PRIVATE, "home")
+os.environ["PATHWAYS_TMPDIR"] = os.path.join(_PRIVATE, "tmp")
+for _name in ("PATHWAYS_ADDRESS", "PATHWAYS_TENANT", "PATHWAYS_CREDENTIAL"):
+    os.environ.pop(_name, None)
 
-import numpy as np
-import psutil
-import pytest
+import numpy as np  # noqa: E402 - after the environment above is set
+import psutil  # noqa: E402
+import pytest  # noqa: E402
 
-import pathways as pw
+import pathways as pw  # noqa: E402
 
 RAY_DAEMONS = ("raylet", "gcs_server")
 

@@ -1,6 +1,6 @@
 """A client process for the multi-tenancy tests: `hold`, `attack` or `load`, as one tenant.
 
-Run as ``python tests/tenant_client.py MODE [args]`` with RAY_ADDRESS, PATHWAYS_TENANT and PATHWAYS_CREDENTIAL
+Run as ``python tests/tenant_client.py MODE [args]`` with PATHWAYS_ADDRESS, PATHWAYS_TENANT and PATHWAYS_CREDENTIAL
 set (``conftest.tenant_env``); prints JSON lines.
 """
 

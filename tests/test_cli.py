@@ -1,18 +1,19 @@
-"""The `pathways` command, tenants and Ray job submission, end to end, no mocks.
+"""The `pathways` command, an admin's and a tenant's day, end to end, no mocks.
 
-This module starts its own cluster instead of using conftest's embedded one, because `pathways up`
-is what it tests: a Ray head started by `ray start --head` with the dashboard (Ray's job API needs
-it), and the resource manager and islands as detached actors that outlive the command. To never touch
-another engineer's cluster it uses free ports, its own PATHWAYS_HOME (state, admin credential,
-tenants' credentials, registry) and Ray temp dir, and `pathways down` must stop exactly the head it
-started. Every command runs in a subprocess, through this venv's python by absolute path with a PATH
-that lacks the venv (as if it were not activated).
+This module starts its own clusters instead of using conftest's embedded one, because `pathways up` is what
+it tests: a Ray head started by `ray start --head`, and the runtime as detached actors that outlive the
+command. To never touch another engineer's cluster it uses free ports, its own PATHWAYS_HOME (state, admin
+credential, tenants' credentials, registry) and PATHWAYS_TMPDIR, and `pathways down` must stop exactly the
+head it started. Every command runs in a subprocess, through this venv's python by absolute path with a PATH
+that lacks the venv (as if it were not activated). The tenant works from a home of its own, as on its own
+machine: what `pathways tenants add` printed is all it gets.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import stat
 import subprocess
@@ -23,21 +24,22 @@ from pathlib import Path
 
 import pytest
 
-from client import jobs
+from client import head
 
-pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("restored_environ")]  # the CLI sets RAY_ADDRESS & co.
+pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("restored_environ")]
 
 JOB_SCRIPT = textwrap.dedent("""
-    import shutil, sys
+    import os, shutil, sys
     import numpy as np, jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
     import pathways as pw
-    session = pw.init()  # RAY_ADDRESS comes with the job, the ticket with PATHWAYS_TICKET
+    session = pw.init()  # the runtime's address comes with the job, the ticket through a pipe
     s = pw.slice((2,), ("x",))
     x = pw.put(np.arange(8.0, dtype=np.float32), s, P("x"))
     y = pw.jit(lambda v: jnp.sum(v * v), slice=s, in_specs=(P("x"),), out_specs=P())(x)
     print("RESULT", float(y.fetch()), "TENANT", session.tenant, "WEIGHT", session.weight)
     print("EXE", sys.executable, "WHICH", shutil.which("python"))
+    print("ENV", sorted(k for k in os.environ if k.startswith(("RAY", "PATHWAYS"))))
     pw.shutdown()
     try:  # the same ticket again
         pw.init()
@@ -46,53 +48,11 @@ JOB_SCRIPT = textwrap.dedent("""
         print("SECOND", type(exc).__name__, exc)
 """)
 
-# Everything Ray's job API shows about every job: the listing, each job's details, and its logs.
-JOB_API_DUMP = textwrap.dedent("""
-    import json
-    from client import jobs
-    jobs.enable_token_auth()
-    from ray.job_submission import JobSubmissionClient
-    client = JobSubmissionClient()
-    out = []
-    for job in client.list_jobs():
-        out.append(job.model_dump())
-        if job.submission_id:
-            out.append(client.get_job_info(job.submission_id).model_dump())
-            out.append(client.get_job_logs(job.submission_id))
-    print(json.dumps(out, default=str))
-""")
-
-
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
-
-
-def descendants(pid: int) -> set[int]:
-    """Every process below ``pid`` (Ray's workers have their own sessions, but still the raylet as parent)."""
-    children: dict[int, list[int]] = {}
-    for stat_file in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat_file.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat_file.parent.name))
-    out, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            if child not in out:
-                out.add(child)
-                todo.append(child)
-    return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        return "Z" not in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
 
 
 def mode(path: Path) -> int:
@@ -106,25 +66,31 @@ def one_line_error(proc: subprocess.CompletedProcess, words: str) -> None:
 
 
 class Cli:
-    """Runs `pathways ...` in a subprocess with this module's private home, no RAY_ADDRESS, and a PATH without
-    this venv: the venv's python is called by its absolute path."""
+    """Runs `pathways ...` in a subprocess with a private home and tmpdir, and a PATH without this venv: the
+    venv's python is called by its absolute path."""
 
-    def __init__(self, home: Path, workdir: Path) -> None:
+    def __init__(self, home: Path, workdir: Path, tmpdir: Path) -> None:
         venv_bin = os.path.dirname(sys.executable)
-        self.env = {k: v for k, v in os.environ.items() if k not in jobs.PRIVATE_ENV}
+        self.env = {k: v for k, v in os.environ.items() if k not in head.PRIVATE_ENV}
         self.env["PATH"] = os.pathsep.join(p for p in self.env.get("PATH", "").split(os.pathsep)
                                            if p and os.path.abspath(p) != venv_bin) or "/usr/bin:/bin"
-        self.env["PATHWAYS_HOME"] = str(home)
+        self.env.update(PATHWAYS_HOME=str(home), PATHWAYS_TMPDIR=str(tmpdir))
         self.home, self.workdir = home, workdir
         self.command = [sys.executable, "-m", "client.cli"]
+        self.port, self.client_port = free_port(), free_port()
+        self.topology = ["--islands", "1", "--hosts-per-island", "1", "--devices-per-host", "2"]
 
-    def __call__(self, *args: str, timeout: float = 90.0, ok: bool = True,
+    def __call__(self, *args: str, timeout: float = 120.0, ok: bool = True,
                  env: dict | None = None) -> subprocess.CompletedProcess:
         proc = subprocess.run([*self.command, *args], capture_output=True, text=True, timeout=timeout,
                               cwd=self.workdir, env={**self.env, **(env or {})})
         if ok:
             assert proc.returncode == 0, f"pathways {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}"
         return proc
+
+    def up(self, *extra: str, **kw) -> subprocess.CompletedProcess:
+        return self("up", "--port", str(self.port), "--client-port", str(self.client_port), *self.topology,
+                    "--timeout", "120", *extra, timeout=200, **kw)
 
     def state(self, home: Path | None = None) -> dict | None:
         path = (home or self.home) / "cluster.json"
@@ -133,38 +99,25 @@ class Cli:
     def credential(self, tenant: str) -> str:
         return (self.home / "credentials" / tenant).read_text().strip()
 
-    def elsewhere(self, home: Path, **credentials: str) -> dict:
-        """The environment of someone else on the same cluster: their own home, holding only ``credentials``."""
-        for tenant, secret in credentials.items():
-            jobs.write_secret(home / "credentials" / tenant, secret)
-        return {"PATHWAYS_HOME": str(home), "RAY_ADDRESS": self.state()["address"]}
-
-    def job_api(self) -> str:
-        """Everything Ray's job API shows, as text."""
-        proc = subprocess.run([sys.executable, "-c", JOB_API_DUMP], capture_output=True, text=True, timeout=60,
-                              env={**self.env, "RAY_ADDRESS": self.state()["address"]})
-        assert proc.returncode == 0, proc.stderr
-        return proc.stdout
+    def tenant_home(self, home: Path, added: str) -> dict:
+        """Set up a tenant on "another machine" with what `pathways tenants add` printed (its login command);
+        returns that home's environment."""
+        login = next(line.split() for line in added.splitlines() if line.strip().startswith("pathways login"))
+        env = {"PATHWAYS_HOME": str(home)}
+        out = self(*login[1:], env=env).stdout
+        assert "logged in to" in out and (home / "login.json").exists() and mode(home / "login.json") == 0o600
+        return env
 
 
-def start_cli(home: Path, workdir: Path) -> Cli:
-    """`pathways up` of a one-island cluster on free ports, with its own home."""
-    run = Cli(home, workdir)
-    port, dashboard = free_port(), free_port()
-    run.topology = ["--islands", "1", "--hosts-per-island", "1", "--devices-per-host", "2"]
-    t0 = time.monotonic()
-    up = run("up", "--port", str(port), "--dashboard-port", str(dashboard), *run.topology, "--timeout", "120",
-             timeout=180)
-    run.up_s = time.monotonic() - t0
-    run.up_out, run.port = up.stdout, port
-    return run
+def head_processes(state: dict) -> list[int]:
+    return head.processes_of(state["temp_dir"]) if state and state.get("temp_dir") else []
 
 
 def stop_head_of(run: Cli) -> None:
     """Never leave a head behind, whatever a test did to it."""
     state = run.state()
     if state and state["head_pid"]:
-        jobs.stop_head(state["head_pid"], state["temp_dir"])
+        head.stop_head(state["head_pid"], state["temp_dir"], timeout=10)
 
 
 @pytest.fixture(scope="module")
@@ -179,146 +132,185 @@ def workdir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def pw_cli(tmp_path_factory, workdir):
     """The cluster the tests of this module share; each test leaves it as it found it: up, with a runtime."""
-    run = start_cli(tmp_path_factory.mktemp("pathways-home"), workdir)
+    run = Cli(tmp_path_factory.mktemp("pathways-home"), workdir, tmp_path_factory.mktemp("pathways-tmp"))
+    run.up_out = run.up().stdout
     yield run
     stop_head_of(run)
 
 
 @pytest.fixture(scope="module")
-def tenants(pw_cli):
-    """alice (weight 2, quota 2 devices) and bob (weight 1), registered by the admin."""
-    pw_cli("tenants", "add", "alice", "--weight", "2", "--quota", "2")
+def tenants(pw_cli, tmp_path_factory):
+    """alice (weight 2, quota 2 devices), set up on a machine of her own from what the admin printed; bob
+    (weight 1) on the admin's."""
+    added = pw_cli("tenants", "add", "alice", "--weight", "2", "--quota", "2").stdout
+    pw_cli.alice = pw_cli.tenant_home(tmp_path_factory.mktemp("alice-home"), added)
+    pw_cli.added = added
     pw_cli("tenants", "add", "bob", "--weight", "1")
     return pw_cli
 
 
 @pytest.fixture(scope="module")
 def alice_job(tenants) -> dict:
-    """A job of alice's that runs to its end: what `submit --wait` printed, and right after it, the admin's
-    status and everything Ray's job API shows."""
-    out = tenants("submit", "--tenant", "alice", "--wait", "--", "python", "job.py", timeout=240).stdout
-    return {"out": out, "job": out.split()[1], "status": json.loads(tenants("status", "--json").stdout),
-            "shown": tenants.job_api()}
+    """A job of alice's that runs to its end, submitted from her machine: what `submit --wait` printed."""
+    out = tenants("submit", "--wait", "--", "python", "job.py", env=tenants.alice, timeout=240).stdout
+    return {"out": out, "job": out.split()[1], "status": json.loads(tenants("status", "--json").stdout)}
 
 
-def test_up_creates_the_admin_credential_and_records_the_head(pw_cli):
+def test_up_prints_the_address_and_keeps_the_admins_secrets_to_the_admin(pw_cli):
     state = pw_cli.state()
-    assert state["address"].endswith(f":{pw_cli.port}") and alive(state["head_pid"])
+    address = f"pathways://{state['ray_address'].rsplit(':', 1)[0]}:{pw_cli.client_port}"
+    assert state["address"] == address and state["phase"] == "up" and head_processes(state)
     token = pw_cli.home / "admin.token"
     assert mode(token) == 0o600 and mode(pw_cli.home) == 0o700 and len(token.read_text().strip()) >= 40
     assert mode(pw_cli.home / "registry.json") == 0o600  # the head is this machine
     out = pw_cli.up_out
-    assert f"admin credential:    {token}" in out and "pathways tenants add NAME --weight W" in out, out
-    assert f'pw.init(address="{state["address"]}"' in out and f"RAY_ADDRESS={state['address']}" in out
+    assert f"address:             {address}" in out and f"admin credential:    {token}" in out, out
     assert token.read_text().strip() not in out
+    published = Path(pw_cli.env["PATHWAYS_TMPDIR"]) / "current"
+    assert published.read_text().strip() == address and mode(published) == 0o644
+    assert mode(head.ray_token_path()) == 0o600  # a job running as another user cannot read Ray's token
 
 
 def test_a_second_up_is_refused(pw_cli):
     one_line_error(pw_cli("up", "--port", str(free_port()), ok=False), "already runs a cluster")
 
 
+def test_a_tenants_machine_needs_only_the_login_the_admin_printed(tenants, tmp_path):
+    assert "pathways login pathways://" in tenants.added and tenants.credential("alice") in tenants.added
+    status = json.loads(tenants("status", "--json", env=tenants.alice).stdout)
+    assert status["view"] == "tenant alice" and list(status["tenants"]) == ["alice"]
+    script = "import pathways as pw\ns = pw.init()\nprint(s.tenant, s.weight, s.address)\n"  # a bare pw.init()
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         env={**tenants.env, **tenants.alice})
+    assert out.stdout.split() == ["alice", "2.0", tenants.state()["address"]], out.stderr[-2000:]
+    nobody = {"PATHWAYS_HOME": str(tmp_path / "nobody")}
+    one_line_error(tenants("jobs", ok=False, env=nobody), "`pathways jobs` needs a tenant's credential")
+
+
+def test_a_bare_pw_init_on_the_machine_attaches_to_the_runtime_up_started(tenants, tmp_path):
+    script = ("import pathways as pw\ntry:\n    pw.init()\nexcept pw.TenantAccessError as exc:\n"
+              "    print('REFUSED', exc)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         env={**tenants.env, "PATHWAYS_HOME": str(tmp_path)})
+    # it found the runtime (no second, embedded cluster) and asks for a credential of it
+    assert out.stdout.startswith("REFUSED tenant 'default' has no credential") and "pathways login" in out.stdout, \
+        out.stdout + out.stderr[-2000:]
+
+
 def test_tenants_commands_need_the_admin_credential(tenants, tmp_path):
-    other = tenants.elsewhere(tmp_path, alice=tenants.credential("alice"))
-    one_line_error(tenants("tenants", "add", "mallory", "--weight", "9", ok=False, env=other),
+    one_line_error(tenants("tenants", "add", "mallory", "--weight", "9", ok=False, env=tenants.alice),
                    "needs the cluster's admin credential")
-    # a tenant's credential is not the admin's: the resource manager refuses it
+    (tmp_path / "alice").write_text(tenants.credential("alice"))
     one_line_error(tenants("tenants", "add", "mallory", "--weight", "9", "--admin-credential-file",
-                           str(tmp_path / "credentials" / "alice"), ok=False, env=other),
+                           str(tmp_path / "alice"), ok=False, env=tenants.alice),
                    "this operation needs the cluster's admin credential")
     assert "mallory" not in tenants("tenants", "list").stdout
 
 
 def test_tenants_add_list_set_remove(tenants):
-    out = tenants("tenants", "add", "carol", "--weight", "3", "--quota", "1").stdout
+    out = tenants("tenants", "add", "carol", "--weight", "3", "--quota", "1", "--budget", "sessions=2").stdout
     path = tenants.home / "credentials" / "carol"
     first = path.read_text().strip()
     assert mode(path) == 0o600 and mode(path.parent) == 0o700
-    assert "added tenant carol: weight 3, quota 1" in out and first in out and str(path) in out
+    assert "added tenant carol: weight 3, quota 1" in out and first in out
     lines = tenants("tenants", "list").stdout.splitlines()
     assert lines[0].split() == ["TENANT", "WEIGHT", "QUOTA", "CLIENTS", "DEVICES"]
     assert [line.split() for line in lines[1:]] == [["alice", "2", "2", "0", "0"], ["bob", "1", "-", "0", "0"],
                                                     ["carol", "3", "1", "0", "0"]]
+    carol = json.loads(tenants("tenants", "list", "--json").stdout)[2]
+    assert carol["budgets"]["sessions"] == 2
     out = tenants("tenants", "set", "carol", "--weight", "5", "--no-quota", "--new-credential").stdout
     second = path.read_text().strip()
     assert "changed tenant carol: weight 5, quota none" in out and second in out and second != first
+    one_line_error(tenants("tenants", "set", "carol", "--budget", "bytes=5", ok=False), "no budget named 'bytes'")
     out = tenants("tenants", "remove", "carol").stdout
     assert "removed tenant carol" in out and not path.exists()
 
 
-def test_a_job_runs_as_its_tenant_with_a_ticket(tenants, alice_job):
-    """The job gets a ticket (never the credential), runs as alice with the registry's weight, in this venv's
-    python although the venv is not on PATH; its second use of the ticket is refused and logged."""
+def test_a_job_holds_a_ticket_and_the_address_and_nothing_else(tenants, alice_job):
+    """The job runs as alice with the registry's weight, in the runtime's python although no venv is on PATH;
+    its environment names neither Ray nor a credential nor its ticket; a second use of the ticket fails."""
     out, job = alice_job["out"], alice_job["job"]
     assert out.startswith("submitted ") and job.startswith("alice-")
     assert "RESULT 140.0 TENANT alice WEIGHT 2.0" in out and f"job {job} SUCCEEDED" in out, out
-    venv_bin = os.path.dirname(sys.executable)
-    assert f"EXE {sys.executable} WHICH {venv_bin}{os.sep}python" in out, out
-    assert f"SECOND TenantAccessError the ticket of job {job} was already used" in out, out
-    st = alice_job["status"]
-    assert st["view"] == "admin" and {"alice", "bob"} <= set(st["tenants"])
-    assert {"job": job, "by_job": job} in [{k: r[k] for k in ("job", "by_job")} for r in st["refusals"]], st
-    shown = alice_job["shown"]
-    assert job in shown and "PATHWAYS_TICKET" in shown  # what the job got, in plain view
-    for secret in (tenants.credential("alice"), tenants.credential("bob"), (tenants.home / "admin.token").read_text()
-                   .strip()):
-        assert secret not in shown
+    assert f"EXE {sys.executable} WHICH {os.path.dirname(sys.executable)}{os.sep}python" in out, out
+    assert "ENV ['PATHWAYS_ADDRESS', 'PATHWAYS_JOB', 'PATHWAYS_TENANT']" in out, out
+    assert "SECOND TenantAccessError" in out and "ticket" in out.split("SECOND")[-1], out
+    for secret in (tenants.credential("alice"), (tenants.home / "admin.token").read_text().strip()):
+        assert secret not in out
 
 
-def test_stop_and_logs_only_on_your_own_jobs(tenants, alice_job, tmp_path):
-    out = tenants("submit", "--tenant", "bob", "--", "python", "-c", "import time; time.sleep(300)").stdout
-    job = out.split()[1]
-    alice = tenants.elsewhere(tmp_path, alice=tenants.credential("alice"))  # no admin credential, no bob's
+def test_stop_and_logs_only_on_your_own_jobs(tenants, alice_job):
+    bob = tenants("submit", "--tenant", "bob", "--", "python", "-c", "import time; time.sleep(300)").stdout.split()[1]
     for command in ("stop", "logs"):
-        one_line_error(tenants(command, job, ok=False, env=alice), f"job {job} is not yours")
-    assert "RESULT 140.0 TENANT alice" in tenants("logs", alice_job["job"], env=alice).stdout
-    bob_file = str(tenants.home / "credentials" / "bob")
-    out = tenants("stop", job, "--credential-file", bob_file, env=alice, timeout=90).stdout
-    assert out.strip() == f"job {job} STOPPED"
-    table = tenants("jobs").stdout.splitlines()
+        one_line_error(tenants(command, bob, ok=False, env=tenants.alice), f"no job {bob!r} of yours")
+    assert "RESULT 140.0 TENANT alice" in tenants("logs", alice_job["job"], env=tenants.alice).stdout
+    mine = [r["id"] for r in json.loads(tenants("jobs", "--json", env=tenants.alice).stdout)]
+    assert alice_job["job"] in mine and bob not in mine  # a tenant lists its own jobs only
+    t0 = time.monotonic()
+    out = tenants("stop", bob, "--tenant", "bob").stdout  # bob's credential file is on this machine
+    assert out.strip() == f"job {bob} STOPPED" and time.monotonic() - t0 < 30
+    table = tenants("jobs").stdout.splitlines()  # the admin lists every job
     assert table[0].split() == ["ID", "TENANT", "STATUS", "START", "END", "ENTRYPOINT"]
-    assert any(line.startswith(job) and " bob " in line and "STOPPED" in line for line in table)
+    assert any(line.startswith(bob) and " bob " in line and "STOPPED" in line for line in table)
+    log = tenants("logs", bob).stdout
+    assert "Traceback" not in log  # a stopped job's log ends without a stack dump
 
 
-def test_up_joins_only_its_own_admins_runtime_and_a_new_runtime_keeps_the_registry(tenants, tmp_path):
-    """`up --address` joins a running runtime only with the admin credential it runs with; `down` of a joined
-    cluster removes the runtime but never stops a head it did not start. Then `up` on the head it started,
-    whose runtime is gone, starts a new runtime with the same registry: alice still authenticates, with her
-    weight (and the cluster is as this test found it)."""
-    address, head = tenants.state()["address"], tenants.state()["head_pid"]
-    stranger = {"PATHWAYS_HOME": str(tmp_path / "stranger")}
-    one_line_error(tenants("up", "--address", address, *tenants.topology, ok=False, env=stranger),
-                   "does not take the admin credential")
-    admin = tmp_path / "admin"  # the same admin, from another home
-    jobs.write_secret(admin / "admin.token", (tenants.home / "admin.token").read_text().strip())
-    out = tenants("up", "--address", address, *tenants.topology, env={"PATHWAYS_HOME": str(admin)}).stdout
-    assert "(the runtime already ran there)" in out and tenants.state(admin)["head_pid"] is None
-    out = tenants("down", env={"PATHWAYS_HOME": str(admin)}).stdout
-    assert "removed the resource manager" in out and "left the Ray head" in out, out
-    assert alive(head) and tenants.state(admin) is None
-
-    out = tenants("up", *tenants.topology, "--timeout", "120", timeout=180).stdout
-    assert "still runs; starting the runtime on it" in out, out
-    st = json.loads(tenants("status", "--tenant", "alice", "--json").stdout)
-    assert st["view"] == "tenant alice" and "refusals" not in st
-    assert list(st["tenants"]) == ["alice"] and st["tenants"]["alice"]["weight"] == 2.0
+def test_rotating_a_credential_ends_the_tenants_sessions(tenants, tmp_path):
+    script = textwrap.dedent("""
+        import sys, time, pathways as pw
+        s = pw.init()
+        print("attached", flush=True)
+        sys.stdin.readline()  # the admin rotates the credential meanwhile
+        try:
+            pw.slice((1,), ("x",))
+            print("STILL WORKS")
+        except pw.PathwaysError as exc:
+            print("ENDED", type(exc).__name__, exc)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**tenants.env, "PATHWAYS_TENANT": "bob",
+                                                                     "PATHWAYS_CREDENTIAL": tenants.credential("bob")})
+    assert proc.stdout.readline().strip() == "attached"
+    tenants("tenants", "set", "bob", "--new-credential")
+    out, err = proc.communicate("go\n", timeout=60)
+    assert out.startswith("ENDED TenantAccessError") and "session has ended" in out, out + err[-2000:]
 
 
-def test_down_stops_exactly_our_head(tmp_path, workdir):
-    """On a head of its own, so that no other test loses its cluster."""
-    run = start_cli(tmp_path / "home", workdir)
+def test_up_after_down_succeeds_at_once_five_times_and_an_interrupted_up_is_cleaned_up(tmp_path, workdir):
+    """On heads of its own, so that no other test loses its cluster: five up/down cycles on the same ports
+    (each `up` right after the `down`), then an `up` killed while it starts, whose leftovers `down` finds."""
+    run = Cli(tmp_path / "home", workdir, tmp_path / "tmp")
     try:
-        state = run.state()
-        ours = descendants(state["head_pid"]) | {state["head_pid"]}
-        assert len(ours) > 3  # gcs, raylet, dashboard, workers...
-        t0 = time.monotonic()
-        out = run("down", timeout=90).stdout
-        took = time.monotonic() - t0
-        assert "stopped the Ray head" in out and "the tenant registry stays in" in out, out
-        assert not [p for p in ours if alive(p)]
-        assert run.state() is None and not Path(state["temp_dir"]).exists()
-        host, port = state["address"].rsplit(":", 1)
-        with pytest.raises(ConnectionRefusedError):  # nothing listens on the GCS port any more
-            socket.create_connection((host, int(port)), timeout=5).close()
-        print(f"up {run.up_s:.1f}s, down {took:.1f}s")
+        took = []
+        for _ in range(5):
+            t0 = time.monotonic()
+            run.up()
+            state = run.state()
+            out = run("down", timeout=90).stdout
+            took.append(time.monotonic() - t0)
+            assert "stopped the Ray head" in out and "the tenant registry stays in" in out, out
+            assert not head_processes(state) and run.state() is None and not Path(state["temp_dir"]).exists()
+            with pytest.raises(ConnectionRefusedError):  # nothing listens on the runtime's port any more
+                socket.create_connection(("127.0.0.1", run.client_port), timeout=5).close()
+        print(f"up+down cycles: {[round(t, 1) for t in took]} s")
+        for sig in (signal.SIGINT, signal.SIGKILL):  # Ctrl-C cleans up itself; a kill leaves it to `down`
+            proc = subprocess.Popen([*run.command, "up", "--port", str(run.port), "--client-port",
+                                     str(run.client_port), *run.topology], cwd=workdir, env=run.env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            deadline = time.monotonic() + 60
+            while not (run.state() and run.state()["head_pid"]) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            state = run.state()
+            time.sleep(2.0)  # the head is starting
+            proc.send_signal(sig)
+            proc.communicate(timeout=60)
+            if sig == signal.SIGKILL:
+                assert run.state()["phase"] == "starting" and head_processes(state)
+                assert "interrupted `pathways up`" in run("down", timeout=60).stdout
+            assert run.state() is None and not head_processes(state) and not Path(state["temp_dir"]).exists()
+        run.up()  # and the machine is usable again at once
+        run("down", timeout=90)
     finally:
         stop_head_of(run)

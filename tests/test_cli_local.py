@@ -1,48 +1,92 @@
-"""The `pathways` command's local side, no cluster needed: bad input refused in one line before anything touches
-Ray, the status table, secret files readable by their owner only, the registry's owner check, which python a
-job runs, and where the command finds the cluster."""
+"""The `pathways` command's local side, no cluster needed: bad input refused in one line before anything starts,
+the status table, secret files readable by their owner only, the registry's owner check, what a job's archive
+holds, where the command finds the runtime, and that the command never imports Ray."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import socket
 import stat
+import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
 
-from client import cli, jobs, tables
+from client import cli, head, jobs, runtime, secrets, tables
 
-pytestmark = pytest.mark.usefixtures("restored_environ")  # the CLI sets RAY_ADDRESS & co. in-process
+pytestmark = pytest.mark.usefixtures("restored_environ")
 
 
 def mode(path: Path) -> int:
     return stat.S_IMODE(path.stat().st_mode)
 
 
+@pytest.fixture
+def nowhere(monkeypatch, tmp_path):
+    """A home with nothing in it, no address in the environment, and no runtime published on this machine."""
+    for name in (*head.PRIVATE_ENV, "PATHWAYS_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PATHWAYS_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(runtime, "machine_runtime", lambda: None)
+    monkeypatch.setattr(cli, "machine_runtime", lambda: None)
+    return tmp_path
+
+
 @pytest.mark.parametrize("args, words", [
     (["submit", "--tenant", "bad name", "--", "python", "x.py"], "tenant 'bad name'"),
     (["submit", "--tenant", "t3"], "nothing to run"),
-    (["submit", "--tenant", "t3", "--weight", "2", "--", "python", "x.py"], "submit takes no --weight"),
-    (["submit", "--tenant", "t3", "--", "python", "x.py"], "no credential for tenant 't3'"),
+    (["submit", "--tenant", "t3", "--", "python", "x.py"], "needs your tenant's credential"),
     (["tenants", "add", "t3", "--weight", "1"], "needs the cluster's admin credential"),
     (["tenants", "add", "t3", "--weight", "0"], "--weight must be a positive number"),
+    (["tenants", "add", "t3", "--weight", "1", "--budget", "host_bytes"], "write NAME=VALUE"),
     (["tenants", "set", "t3"], "nothing to change"),
-    (["status"], "`pathways status` shows the whole cluster with the admin credential"),
-    (["status", "--address", "http://127.0.0.1:8265", "--tenant", "t3"], "looks like a URL"),
+    (["status"], "`pathways status` needs a tenant's credential"),
+    (["jobs", "--tenant", "t3", "--credential-file", "/nonexistent"], "no such file"),
+    (["login", "http://127.0.0.1:8265", "--tenant", "t3", "--credential", "x"], "is not a pathways address"),
+    (["login", "pathways://127.0.0.1:1", "--tenant", "t3", "--credential", "x"], "nothing answers at"),
     (["up", "--islands", "0"], "Topology.islands must be a positive int"),
     (["up", "--quota", "0"], "--quota must be a positive"),
+    (["up", "--session-grace", "-1"], "--session-grace must be a positive"),
+    (["down"], "no cluster that `pathways up` started is recorded here"),
 ])
-def test_bad_input_is_one_line_error(args, words, capsys, monkeypatch, tmp_path):
-    """Refused before anything touches Ray (so run in-process)."""
-    for name in jobs.PRIVATE_ENV:
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("PATHWAYS_HOME", str(tmp_path))
+def test_bad_input_is_one_line_error(args, words, capsys, nowhere):
+    """Refused before anything starts (so run in-process)."""
     assert cli.main(args) == 1
     err = capsys.readouterr().err
     assert err.startswith("pathways: error: ") and err.count("\n") == 1 and words in err, err
 
+
+def test_the_command_finds_the_runtime_in_order(nowhere, monkeypatch):
+    with pytest.raises(secrets.CliError, match="no cluster: pass --address"):
+        cli.resolve_address(None)
+    monkeypatch.setattr(cli, "machine_runtime", lambda: "pathways://10.0.0.9:7100")
+    assert cli.resolve_address(None) == "pathways://10.0.0.9:7100"  # what `pathways up` published here
+    head.save_state(head.ClusterState("pathways://10.0.0.1:7100", "10.0.0.1:6379", None, None, {}, 0.0))
+    assert cli.resolve_address(None) == "pathways://10.0.0.1:7100"  # what our own `up` recorded
+    runtime.save_login(runtime.Login("pathways://10.0.0.2:7100", "alice", "s3cret"))
+    assert cli.resolve_address(None) == "pathways://10.0.0.2:7100"  # a login goes first
+    assert mode(runtime.login_path()) == 0o600 and mode(runtime.login_path().parent) == 0o700
+    monkeypatch.setenv("PATHWAYS_ADDRESS", "pathways://10.0.0.3:7100")
+    assert cli.resolve_address(None) == "pathways://10.0.0.3:7100"
+    assert cli.resolve_address("pathways://10.0.0.4:1") == "pathways://10.0.0.4:1"
+    assert secrets.tenant_identity(None) == ("alice", "s3cret")  # the login's tenant and credential
+    assert runtime.find_address(None) == ("pathways://10.0.0.3:7100", "PATHWAYS_ADDRESS")
+
+
+def test_a_port_in_time_wait_is_free_and_one_in_use_is_not():
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    conn, _ = server.accept()
+    assert not head.port_free(port)  # something listens there
+    conn.close()  # the server side closes first: its end waits in TIME-WAIT
+    client.close()
+    server.close()
+    assert head.port_free(port)  # what `pathways up` right after `down` sees
 
 
 def test_the_status_table_shows_the_admin_everything_and_a_tenant_only_its_own():
@@ -56,7 +100,8 @@ def test_the_status_table_shows_the_admin_everything_and_a_tenant_only_its_own()
                                                        "tenant": "bob", "devices": [[0, 0], [0, 1]]}],
                        tenants={"alice": {"weight": 1.0, "quota": None, "clients": 1, "devices": 0},
                                 "bob": {"weight": 3.0, "quota": 2, "clients": 1, "devices": 2}})
-    lines = tables.render_status(st, "127.0.0.1:6379", [{"at": 0.0, "job": "a-1", "by_job": "b-2"}]).splitlines()
+    lines = tables.render_status(st, "pathways://127.0.0.1:7100",
+                                 [{"at": 0.0, "job": "a-1", "by_job": "b-2"}]).splitlines()
     assert lines[0].endswith("whole cluster (admin)")
     assert lines[3].split() == ["0", "healthy", "1/1", "2", "4", "alice", "25%", "(1.0s),", "bob", "75%", "(3.0s)"]
     assert lines[6].split() == ["0/0", "abcdef012345", "2", "yes", "3", "(3.0", "MiB)", "0", "0", "1", "0", "2.5s",
@@ -68,28 +113,27 @@ def test_the_status_table_shows_the_admin_everything_and_a_tenant_only_its_own()
     mine = IslandStatus(0, True, "", [host], tenant_time_s={"alice": 1.0}, others_time_s=3.0)
     st = ClusterStatus(Topology(1, 1, 2), [mine], [], tenants={"alice": st.tenants["alice"]},
                        others={"slices": 1, "devices": 2, "tenants": 1})
-    lines = tables.render_status(st, "127.0.0.1:6379").splitlines()
+    lines = tables.render_status(st, "pathways://127.0.0.1:7100").splitlines()
     assert lines[0].endswith("your tenant's view") and "(others) 75% (3.0s), alice 25% (1.0s)" in lines[3]
     assert lines[-1] == "other tenants: 1, holding 1 slices (2 devices)" and "bob" not in "\n".join(lines)
 
 
-def test_secrets_are_readable_by_their_owner_only(tmp_path, monkeypatch):
-    monkeypatch.setenv("PATHWAYS_HOME", str(tmp_path / "home"))
-    token, created = jobs.ensure_admin_credential()
-    path = tmp_path / "home" / "admin.token"
+def test_secrets_are_readable_by_their_owner_only(nowhere, monkeypatch):
+    token, created = secrets.ensure_admin_credential()
+    path = nowhere / "home" / "admin.token"
     assert created and path.read_text().strip() == token and mode(path) == 0o600 and mode(path.parent) == 0o700
     path.chmod(0o644)
-    assert jobs.ensure_admin_credential() == (token, False) and mode(path) == 0o600
+    assert secrets.ensure_admin_credential() == (token, False) and mode(path) == 0o600
     monkeypatch.setenv("PATHWAYS_CREDENTIAL", "from-env")
-    assert jobs.tenant_credential("alice") == ("from-env", "PATHWAYS_CREDENTIAL")
+    assert secrets.tenant_identity("alice") == ("alice", "from-env")
     monkeypatch.delenv("PATHWAYS_CREDENTIAL")
-    assert jobs.tenant_credential("alice") is None
-    jobs.write_secret(jobs.credential_path("alice"), "s3cret")
-    assert jobs.tenant_credential("alice") == ("s3cret", str(jobs.credential_path("alice")))
-    with pytest.raises(jobs.CliError, match="no such file"):
-        jobs.tenant_credential("alice", str(tmp_path / "missing"))
-    with pytest.raises(jobs.CliError, match="tenant '../admin.token'"):  # a job's metadata names no file
-        jobs.credential_path("../admin.token")
+    assert secrets.tenant_identity("alice") is None
+    secrets.write_secret(secrets.credential_path("alice"), "s3cret")
+    assert secrets.tenant_identity("alice") == ("alice", "s3cret")
+    with pytest.raises(secrets.CliError, match="no such file"):
+        secrets.tenant_identity("alice", str(nowhere / "missing"))
+    with pytest.raises(secrets.CliError, match="tenant '../admin.token'"):  # a name never leaves the folder
+        secrets.credential_path("../admin.token")
 
 
 def test_a_registry_of_another_admin_is_refused(tmp_path, capsys):
@@ -101,43 +145,38 @@ def test_a_registry_of_another_admin_is_refused(tmp_path, capsys):
     assert capsys.readouterr().out == ""
     cli._check_registry(str(registry), "old", quota=4)  # the registry keeps its own default quota: say so
     assert "keeps the default quota it was created with (none)" in capsys.readouterr().out
-    with pytest.raises(jobs.CliError, match="belongs to another admin credential"):
+    with pytest.raises(secrets.CliError, match="belongs to another admin credential"):
         cli._check_registry(str(registry), "new")
     cli._check_registry(str(tmp_path / "none.json"), "new")
 
 
-def test_the_job_runs_our_python():
-    assert jobs.with_our_python(["python", "x.py"]) == [sys.executable, "x.py"]
-    assert jobs.with_our_python(["python3", "-m", "m"]) == [sys.executable, "-m", "m"]
-    assert jobs.with_our_python(["/usr/bin/python3", "x.py"]) == ["/usr/bin/python3", "x.py"]
-    assert jobs.with_our_python(["bash", "run.sh"]) == ["bash", "run.sh"]
+def test_a_jobs_archive_holds_the_working_directory_without_what_does_not_belong(tmp_path):
+    (tmp_path / "train.py").write_text("print('hi')")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "x.txt").write_text("x")
+    for junk in (".git/HEAD", "__pycache__/m.pyc", ".venv/bin/python", "pkg.egg-info/PKG-INFO"):
+        (tmp_path / junk).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / junk).write_text("junk")
+    (tmp_path / "link").symlink_to("/etc/passwd")
+    with tarfile.open(fileobj=io.BytesIO(jobs.pack(str(tmp_path))), mode="r:gz") as tar:
+        names = sorted(m.name for m in tar.getmembers() if m.isfile())
+    assert names == ["data/x.txt", "train.py"]
+    with pytest.raises(secrets.CliError, match="does not exist"):
+        jobs.pack(str(tmp_path / "missing"))
+    assert jobs.entrypoint_of(["--", "python", "x.py"]) == ["python", "x.py"]
 
 
-def test_names_agree_with_the_session():
-    from client import admin, session
-
-    assert (jobs.TENANT_ENV, jobs.CREDENTIAL_ENV, jobs.TICKET_ENV, jobs.HOME_ENV, jobs.ADMIN_FILE) == \
-        (session.TENANT_ENV, session.CREDENTIAL_ENV, session.TICKET_ENV, session.HOME_ENV, admin.ADMIN_FILE)
-    assert jobs.home() == session.home() and jobs.credential_path("a") == session.credential_file("a")
-
-
-def test_address_precedence(tmp_path, monkeypatch):
-    monkeypatch.setenv("PATHWAYS_HOME", str(tmp_path))
-    for name in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"):  # resolve_address sets them: restored after the test
-        monkeypatch.setenv(name, "")
-        monkeypatch.delenv(name)
-    with pytest.raises(jobs.CliError, match="pathways up"):
-        jobs.resolve_address(None)
-    jobs.save_state(jobs.ClusterState("127.0.0.1:1", "http://127.0.0.1:2", None, None, {}, 0.0))
-    assert jobs.resolve_address(None) == "127.0.0.1:1" and os.environ["RAY_API_SERVER_ADDRESS"] == "http://127.0.0.1:2"
-    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.2:3")
-    assert jobs.resolve_address(None) == "127.0.0.2:3"
-    assert jobs.resolve_address("127.0.0.3:4") == "127.0.0.3:4" == os.environ["RAY_ADDRESS"]
+def test_the_command_imports_neither_ray_nor_jax_to_start():
+    code = ("import sys\nfrom client import cli\ncli.parser()\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('ray', 'jax')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={k: v for k, v in os.environ.items() if not k.startswith("PATHWAYS")})
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr[-2000:]
 
 
 def test_format_and_required_arguments():
     assert tables.table(["A", "LONG"], [[1, "x"], ["wide", 2]]).splitlines() == ["A     LONG", "1     x", "wide  2"]
     with pytest.raises(SystemExit):
-        cli.parser().parse_args(["submit"])  # --tenant is required
-    with pytest.raises(SystemExit):
         cli.parser().parse_args(["tenants", "add", "x"])  # --weight is required
+    with pytest.raises(SystemExit):
+        cli.parser().parse_args(["login", "pathways://h:1"])  # --tenant and a credential are required

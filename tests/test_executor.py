@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 
 import jax
@@ -13,16 +12,12 @@ import pytest
 import pathways as pw
 from client.jit import CompiledFunction
 from client.slices import VirtualSlice
-from pathways.events import EventLog
 from pathways.messages import Deliver
 from pathways.ops import Aval, Exec, Limits, Recv, Route, SliceDesc, Template
-from resource_manager.host.buffer_pool import BufferPool
-from resource_manager.host.buffers import BufferTable, Failure
+from resource_manager.host import wiring
+from resource_manager.host.buffers import Failure
 from resource_manager.host.devices import LocalDevices
-from resource_manager.host.executables import ExecutableCache
-from resource_manager.host.executor import Executor, Report
-from resource_manager.host.handlers import Handlers
-from resource_manager.host.receive import Receiver
+from resource_manager.host.executor import Report
 from resource_manager.host.run import Run
 from resource_manager.host.transport.peers import Peers
 
@@ -32,20 +27,17 @@ TENANT = "t"
 
 
 class Host:
-    """The parts of one host, wired as resource_manager.host wires them, on this process's CPU devices."""
+    """The parts of one host, wired as every host wires them (``resource_manager.host.wiring.core``), on this
+    process's CPU devices; ``strict`` makes it one host of a two-host island."""
 
     def __init__(self, strict: bool = False, op_timeout: float = 5.0) -> None:
-        self.cond = threading.Condition()
-        self.table = BufferTable(self.cond)
-        self.devices = LocalDevices(0)
-        self.exes = ExecutableCache(LIMITS)
-        self.peers = Peers(0, 0, "node", None, b"k" * 32)
-        self.receiver = Receiver(0, 0, self.table, BufferPool(), self.peers, self.cond, op_timeout, self.touch)
-        self.handlers = Handlers(0, 0, self.devices, self.table, self.exes, self.peers, BufferPool(), self.receiver,
-                                 EventLog(), op_timeout)
         self.reports: list[Report] = []
-        self.executor = Executor(0, 0, strict, self.handlers, self.receiver, self.table, self.cond, op_timeout,
-                                 EventLog(), self.reports.append)
+        self.peers = Peers(0, 0, "node", None, b"k" * 32)
+        self.parts = wiring.core(0, 0, 2 if strict else 1, LIMITS, LocalDevices(0), self.peers, op_timeout, 60.0,
+                                 self.reports.append)
+        p = self.parts
+        self.cond, self.table, self.devices, self.exes = p.cond, p.table, p.devices, p.exes
+        self.receiver, self.handlers, self.executor = p.receiver, p.handlers, p.executor
         self.seq = 0
 
     def touch(self) -> None:

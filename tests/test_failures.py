@@ -15,7 +15,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def run_scenario(hosts: int) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PATHWAYS_")}
     proc = subprocess.run([sys.executable, os.path.join(HERE, "island_failure_scenario.py"), str(hosts)],
                           env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -12,7 +12,6 @@ import time
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import ray
 from conftest import host_stats, tenant_env
 from jax.sharding import PartitionSpec as P
 
@@ -23,14 +22,14 @@ from client.session import Session
 from client.slices import VirtualSlice
 from pathways.messages import Call, Put
 from pathways.ops import Aval, Recv, Route, Send
+from pathways.requests import Allocate, Batch
 
 
 @pytest.fixture(scope="module")
 def intruder(cluster):
     """A second session in this process, of tenant "careless": it sends what a buggy or hostile client would."""
-    session = Session(cluster.rm, "careless", cluster.timeouts, False,
-                      tenant_env("careless")["PATHWAYS_CREDENTIAL"])
-    wire = session.request("allocate", {"shape": [2], "axes": ["x"], "island": 0})
+    session = Session(cluster.address, "careless", cluster.timeouts, tenant_env("careless")["PATHWAYS_CREDENTIAL"])
+    wire = session.request(lambda rid: Allocate(rid, [2], ["x"], 0), "allocate")
     yield session, VirtualSlice(session, wire)
     session.close()
 
@@ -40,7 +39,7 @@ def put_inputs(fuzzer: Fuzzer) -> tuple[int, int]:
     ids = (fuzzer.session.mint(), fuzzer.session.mint())
     for buffer_id in ids:
         put = Put(buffer_id, fuzzer.slice.desc(), (), Aval((8,), "float32"))
-        fuzzer.session.outboxes.put(fuzzer.slice.island, put.encode(), [ray.put(fuzzer.value)])
+        fuzzer.send(put.encode(), fuzzer.upload(buffer_id, fuzzer.value))
     return ids
 
 
@@ -78,23 +77,30 @@ def test_a_meaningless_call_fails_alone_with_its_reason(cluster, intruder, case,
     base = session.mint(template.n_values)
     body = {"template": template.encode(), "base": base, "inputs": put_inputs(fuzzer),
             "exes": {fuzzer.exe: fuzzer.blob}, "frees": (), **changes}
-    session.outboxes.put(0, Call(**body).encode(), [])
+    session.outboxes.put(0, Call(**body).encode())
     with pytest.raises(error, match=words):
         its_output(session, s, base + 2).fetch(timeout=20)
     with pw.slice((2,), ("x",), island=0) as mine:  # everyone else's work runs
         np.testing.assert_allclose(np.asarray(pw.jit(lambda v: v * 3.0, slice=mine)(pw.put(np.ones(2), mine))), 3.0)
 
 
-def test_a_put_whose_value_is_not_an_array_fails_that_put_only(cluster, intruder):
+def test_a_put_whose_upload_lies_fails_that_put_only(cluster, intruder):
     session, s = intruder
-    buffer_id = session.mint()
-    session.outboxes.put(0, Put(buffer_id, s.desc(), (), Aval((8,), "float32")).encode(), [ray.put("not an array")])
-    with pytest.raises(pw.ProgramError, match="elements"):
-        its_output(session, s, buffer_id).fetch(timeout=20)
-    without = session.mint()
-    session.outboxes.put(0, Put(without, s.desc(), (), Aval((8,), "float32")).encode(), [])
-    with pytest.raises(pw.WireFormatError, match="object reference"):
-        its_output(session, s, without).fetch(timeout=20)
+    fuzzer = Fuzzer(session, s, seed=0)
+    cases = [("its bytes are fewer than its shards", pw.WireFormatError, "the shards take 32 bytes",
+              {"data": fuzzer.value[:3]}),
+             ("another dtype", pw.ProgramError, "does not match", {"dtype": "int32"}),
+             ("an unknown dtype", pw.WireFormatError, "unknown dtype", {"dtype": "nope"})]
+    for _, error, words, lie in cases:
+        buffer_id = session.mint()
+        put = Put(buffer_id, s.desc(), (), Aval((8,), "float32"))
+        fuzzer.send(put.encode(), fuzzer.upload(buffer_id, fuzzer.value, **lie))
+        with pytest.raises(error, match=words):
+            its_output(session, s, buffer_id).fetch(timeout=20)
+    without = session.mint()  # no upload at all: the put waits for its value for the op timeout, then fails
+    session.outboxes.put(0, Put(without, s.desc(), (), Aval((8,), "float32")).encode())
+    with pw.slice((2,), ("x",), island=0) as mine:  # meanwhile everyone else's work runs
+        np.testing.assert_allclose(np.asarray(pw.jit(lambda v: v * 3.0, slice=mine)(pw.put(np.ones(2), mine))), 3.0)
 
 
 def test_hundreds_of_fuzzed_messages_never_stop_another_tenants_work(cluster, intruder):
@@ -119,7 +125,7 @@ def test_an_absurd_output_shape_is_a_resource_error_not_an_abort(cluster, intrud
     desc = mine.desc()
     template = Template("huge", 0, 1, {desc.key: desc}, (Exec(exported.exe, desc.key, (), (0,), (), ((),), "huge"),))
     base = session.mint(1)
-    session.outboxes.put(0, Call(template.encode(), base, (), {exported.exe: exported.blob}, ()).encode(), [])
+    session.outboxes.put(0, Call(template.encode(), base, (), {exported.exe: exported.blob}, ()).encode())
     with pytest.raises(pw.ResourceError, match="overflows"):
         its_output(session, mine, base).fetch(timeout=30)
     assert pw.status().islands[0].healthy and pw.status().islands[0].epoch == 0
@@ -165,16 +171,15 @@ def test_a_client_that_dies_right_after_a_put_leaves_the_island_serving(cluster)
 
 
 def test_a_stream_gap_that_never_fills_holds_back_only_its_own_client(cluster):
-    session = Session(cluster.rm, "gappy", cluster.timeouts, False, tenant_env("gappy")["PATHWAYS_CREDENTIAL"])
-    s = VirtualSlice(session, session.request("allocate", {"shape": [2], "axes": ["x"], "island": 0}))
+    session = Session(cluster.address, "gappy", cluster.timeouts, tenant_env("gappy")["PATHWAYS_CREDENTIAL"])
+    s = VirtualSlice(session, session.request(lambda rid: Allocate(rid, [2], ["x"], 0), "allocate"))
     fuzzer = Fuzzer(session, s, seed=3)
     inputs = put_inputs(fuzzer)  # messages 0 and 1 of its stream
     session.flush()
     base = session.mint(3)
     payload = Call(fuzzer.template.encode(), base, inputs, {fuzzer.exe: fuzzer.blob}, ()).encode()
     # message 5, as if 2 to 4 were lost on the way: it waits for them
-    ray.get(session.islands[0].scheduler.submit_batch.remote(session.client_id, 5, [(payload, [])],
-                                                             session.sign("submit", 5, payload)), timeout=30)
+    session.link(0, 0).send(Batch(0, 5, [payload]).encode())
     with pw.slice((2,), ("x",), island=0) as mine:  # meanwhile everyone else is served at once
         start = time.monotonic()
         np.testing.assert_allclose(pw.jit(lambda v: v * 2.0, slice=mine)(pw.put(np.ones(2), mine)).fetch(timeout=20),
@@ -192,7 +197,7 @@ def test_a_connection_from_outside_the_runtime_is_refused_by_the_hosts_socket(cl
     import socket as sockets
 
     from resource_manager.host.transport.channel import HEADER
-    path = cluster.host_info[1][0]["channel"] if "channel" in cluster.host_info[1][0] else None
+    path = cluster.islands[1].hosts[0].get("channel")
     if not path:
         pytest.skip("no same-node channel on this platform")
     before = host_stats(cluster, 1)["channel_refused"]

@@ -20,7 +20,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 @pytest.fixture(scope="module")
 def multihost():
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PATHWAYS_")}
     daemon = subprocess.Popen([sys.executable, os.path.join(HERE, "cluster_daemon.py"), "2", "2", "2", *TENANTS],
                               env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     line = daemon.stdout.readline()
@@ -37,7 +37,7 @@ TENANTS = ("checker", "a", "b", "tracer", "forward", "backward")
 
 def client(cluster: dict, tenant: str, *args: str) -> subprocess.Popen:
     """A client process of ``tenant`` on the multi-host cluster (running ``multihost_client.py args``)."""
-    env = dict(os.environ, RAY_ADDRESS=cluster["address"], PATHWAYS_TENANT=tenant,
+    env = dict(os.environ, PATHWAYS_ADDRESS=cluster["address"], PATHWAYS_TENANT=tenant,
                PATHWAYS_CREDENTIAL=cluster["credentials"][tenant])
     return subprocess.Popen([sys.executable, os.path.join(HERE, "multihost_client.py"), *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -13,6 +13,7 @@ import pytest
 
 import pathways as pw
 from pathways import auth
+from pathways.budgets import Budgets
 from resource_manager.registry import WRONG, Registry
 
 ADMIN = "the-admin-credential"
@@ -25,6 +26,11 @@ def mode(path) -> int:
 @pytest.fixture
 def path(tmp_path):
     return tmp_path / "state" / "registry.json"
+
+
+def brief(registry: Registry) -> list[dict]:
+    """Each tenant's name, weight and quota (its budgets are tested on their own)."""
+    return [{k: t[k] for k in ("name", "weight", "quota")} for t in registry.listing()]
 
 
 def test_the_registry_file_is_readable_by_its_owner_only_and_rewritten_whole(path):
@@ -40,7 +46,7 @@ def test_the_registry_survives_a_reload(path):
     bob = registry.add("bob", weight=0.5)
     registry.set("alice", weight=3.0)
     again = Registry(str(path), None)  # a restarted runtime: the file has the admin and the tenants
-    assert again.listing() == [{"name": "alice", "weight": 3.0, "quota": 2}, {"name": "bob", "weight": 0.5, "quota": 4}]
+    assert brief(again) == [{"name": "alice", "weight": 3.0, "quota": 2}, {"name": "bob", "weight": 0.5, "quota": 4}]
     assert again.authenticate("alice", alice).name == "alice" and again.authenticate("bob", bob).weight == 0.5
     assert again.is_admin(ADMIN) and not again.is_admin(alice) and again.default_quota == 4
 
@@ -69,7 +75,7 @@ def test_a_weight_must_be_finite_and_positive(weight):
     if weight is not None:  # None leaves the weight as it is
         with pytest.raises(pw.ResourceError, match="a weight must be a finite number"):
             registry.set("bob", weight=weight)
-    assert registry.listing() == [{"name": "bob", "weight": 1.0, "quota": None}]
+    assert brief(registry) == [{"name": "bob", "weight": 1.0, "quota": None}]
 
 
 @pytest.mark.parametrize("weight", [1e-9, 1, 2.5, 1e6])
@@ -158,4 +164,19 @@ def test_the_listing_shows_no_credentials_and_is_sorted():
         registry.add(name)
     listing = registry.listing()
     assert [t["name"] for t in listing] == ["alice", "bob", "carol"]
-    assert all(set(t) == {"name", "weight", "quota"} for t in listing)
+    assert all(set(t) == {"name", "weight", "quota", "budgets"} for t in listing)
+    assert all(t["budgets"] == Budgets().to_wire() for t in listing)  # every budget, at its default
+
+
+def test_budgets_are_the_admins_checked_and_kept_across_a_reload(tmp_path):
+    path = tmp_path / "registry.json"
+    registry = Registry(str(path), None)
+    registry.add("alice", budgets={"host_bytes": 1 << 20})
+    with pytest.raises(pw.ResourceError, match="no budget named 'bytes'"):
+        registry.add("bob", budgets={"bytes": 5})
+    with pytest.raises(pw.ResourceError, match="budget sessions must be a whole number"):
+        registry.set("alice", budgets={"sessions": -1})
+    registry.set("alice", budgets={"sessions": 2})
+    again = Registry(str(path), None).get("alice").limits
+    assert (again.host_bytes, again.sessions, again.pending_fetches) == (1 << 20, 2, Budgets().pending_fetches)
+    assert Registry(str(path), None).get("bob") is None  # a refused add leaves nothing behind

@@ -15,12 +15,12 @@ from resource_manager.host.scheduler import Resume, Scheduler
 def admitted(client: int, tenant: str, k: int) -> Admitted:
     """Message ``k`` of a client: a call (it runs computations, so it counts against the tenant's share)."""
     call = Call(b"", (client << CLIENT_ID_BITS) + k, (), {}, ())
-    return Admitted(client, tenant, call.encode(), (), call)
+    return Admitted(client, tenant, call.encode(), call)
 
 
 def refused(client: int, tenant: str) -> Admitted:
     """A message admission refused: it takes a place in the order but runs nothing."""
-    return Admitted(client, tenant, b"", (), None, refusal=Failure("ProgramError", "refused"))
+    return Admitted(client, tenant, b"", None, refusal=Failure("ProgramError", "refused"))
 
 
 def seqs(released) -> list[int]:

@@ -66,7 +66,7 @@ def test_sizes_have_ceilings(monkeypatch):
     with pytest.raises(WireFormatError, match="undecodable"):  # a list announcing more items than allowed
         wire.decode(b"\xdd" + (wire.MAX_ITEMS + 1).to_bytes(4, "big"))
     with pytest.raises(WireFormatError, match="a finite number of seconds"):
-        Fetch.decode(wire.encode("fetch", {"id": 1, "timeout": float("inf"), "ready_only": False}))
+        wire.parse(wire.encode("fetch", {"rid": 1, "id": 1, "timeout": float("inf"), "ready_only": False}), Fetch)
 
 
 def test_a_kind_is_declared_once():

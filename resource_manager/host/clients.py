@@ -182,8 +182,9 @@ class ClientService:
         try:
             self.host.submit(session, batch.first, batch.msgs)
         except PathwaysError as exc:  # the batch as a whole is wrong (numbering): this client's own problem
-            log.warning("island %d: refused a batch of client %d: %s", self.host.island, session.client, exc)
-            conn.close()
+            writer.answer(batch.rid, _raiser(exc))
+            return
+        writer.answer(batch.rid, _taken)
 
     def _put_data(self, conn: Connection, writer: Writer, session: Session, put: PutData, data: int) -> None:
         try:
@@ -355,6 +356,10 @@ class ClientService:
             pending = sum(self._pending.values())
         return {"client_connections_served": self.endpoint.served, "client_connections_refused": self.endpoint.refused,
                 "fetches": self.fetches, "fetches_pending": pending, "fetches_timed_out": self.timed_out}
+
+
+def _taken() -> tuple[Any, list]:
+    return None, []
 
 
 def _raiser(exc: Exception) -> Callable[[], tuple[Any, list]]:

@@ -111,6 +111,21 @@ class Table:
         return "\n".join([line(self.columns), rule, *(line(r) for r in self.rows)])
 
 
+def attach_ray(session: Any) -> None:
+    """Make this benchmark process a Ray driver of the session's embedded cluster, for baselines that call Ray
+    directly (a client of the runtime never does: it needs no Ray at all)."""
+    import logging
+
+    import ray
+
+    from pathways.names import NAMESPACE
+    from resource_manager.launch import enable_token_auth
+
+    if not ray.is_initialized():
+        enable_token_auth()
+        ray.init(address=session.embedded.ray_address, namespace=NAMESPACE, logging_level=logging.WARNING)
+
+
 def machine() -> dict:
     """Where the numbers were taken, for the JSON record."""
     import jax

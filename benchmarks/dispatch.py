@@ -47,6 +47,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import pathways as pw  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     Table,
+    attach_ray,
     default_out,
     median,
     plot_lines,
@@ -301,7 +302,7 @@ def calibrate() -> float:
 def run_topology(hosts: int, sizes: Sequence[tuple[float, int]], reps: int, target_s: float) -> list[Point]:
     topology = pw.Topology(islands=2, hosts_per_island=hosts, devices_per_host=1)
     start = time.perf_counter()
-    pw.init(topology=topology, timeouts=pw.Timeouts(fetch=TIMEOUT_S, op=60.0, start=300.0))
+    attach_ray(pw.init(topology=topology, timeouts=pw.Timeouts(fetch=TIMEOUT_S, op=60.0, start=300.0)))
     bench = None
     try:
         print(f"cluster {topology} up in {time.perf_counter() - start:.1f}s", flush=True)

@@ -69,7 +69,16 @@ def main(argv: list[str] | None = None) -> dict:
     topology = pw.Topology(4, 1, 4, node_labels={0: {LABEL: "head"}, 1: {LABEL: "head"}, 2: {LABEL: "head"},
                                                  3: {LABEL: "worker"}})
     try:
-        pw.init(topology=topology, address=cluster.address, timeouts=pw.Timeouts(fetch=300.0, op=300.0, start=300.0))
+        import ray
+
+        from pathways.names import NAMESPACE
+        from resource_manager.launch import start_with_credentials
+
+        ray.init(address=cluster.address, namespace=NAMESPACE, logging_level="WARNING")
+        timeouts = {"fetch": 300.0, "op": 300.0, "start": 300.0}
+        runtime = start_with_credentials(topology.to_wire(), timeouts)
+        pw.init(address=runtime["address"], tenant=runtime["tenant"], credential=runtime["credential"],
+                timeouts=pw.Timeouts(**timeouts))
         nodes = [h.node for isl in pw.status().islands for h in isl.hosts]
         head = cluster.head_node.node_id
         if nodes != [head, head, head, worker.node_id]:
@@ -93,12 +102,10 @@ def main(argv: list[str] | None = None) -> dict:
         for name in PLACEMENTS:
             path = os.path.join(args.trace_dir, f"palm_{name.replace(' ', '_')}.trace.json")
             states[name], exposed[name] = exposed_exchange(steps[name], states[name], batches, path)
-        import ray
-
         from client.session import current
 
-        sent = {name: [ray.get(current().islands[i].hosts[0].stats.remote()).get("net_bytes_out", 0)
-                       for i in islands] for name, islands in PLACEMENTS.items()}
+        sent = {name: [current().host_stats(i).get("net_bytes_out", 0) for i in islands]
+                for name, islands in PLACEMENTS.items()}
     finally:
         pw.shutdown()
         import ray

@@ -42,7 +42,6 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-import ray  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import pathways as pw  # noqa: E402
@@ -113,8 +112,7 @@ def cluster_cpu_s() -> float | None:
 
 
 def busy(session: Any, islands: list[int]) -> list[float]:
-    refs = [session.islands[i].hosts[0].stats.remote() for i in islands]
-    return [s["busy_s"] for s in ray.get(refs, timeout=TIMEOUT_S)]
+    return [session.host_stats(i)["busy_s"] for i in islands]
 
 
 def done(state: Any) -> None:

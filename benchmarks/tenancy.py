@@ -37,8 +37,6 @@ import time
 import traceback
 from collections import deque
 
-import ray
-
 from benchmarks.common import Table, default_out, median, process_cpu_s, write_json
 
 WEIGHTS = {"w1": 1.0, "w2": 2.0, "w4": 4.0, "w8": 8.0}
@@ -104,8 +102,9 @@ class Tenant:
 
     def __init__(self, name: str, weight: float, credential: str, size: int, depth: int) -> None:
         self.name, self.weight = name, weight
-        env = dict(os.environ, RAY_ADDRESS=ray.get_runtime_context().gcs_address, PATHWAYS_CREDENTIAL=credential)
-        env.pop("PATHWAYS_TICKET", None)
+        from client.session import current
+
+        env = dict(os.environ, PATHWAYS_ADDRESS=current().address, PATHWAYS_CREDENTIAL=credential)
         self.spawned = time.time()
         self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.tenancy", "--client", name, str(size),
                                       str(depth)], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -255,11 +254,10 @@ def throughput(admin, session, clients: list[int], reps: int, seconds: float, st
     windows = [[start_at + k * (seconds + gap), start_at + k * (seconds + gap) + seconds] for k in range(len(phases))]
     for k, t in enumerate(tenants):
         t.go([[*w, *w] for w, n in zip(windows, phases) if k < n])
-    host = session.islands[0].hosts[0]
-    host_pid = ray.get(host.stats.remote(), timeout=60)["pid"]
+    host_pid = session.host_stats(0)["pid"]
 
     def reading() -> tuple:  # messages the island has taken, host CPU s, clients' CPU s
-        return (ray.get(host.schedule_stats.remote(), timeout=60)["messages"], process_cpu_s([host_pid]),
+        return (session.host_stats(0)["schedule"]["messages"], process_cpu_s([host_pid]),
                 process_cpu_s([t.proc.pid for t in tenants]))
 
     samples = []

@@ -42,7 +42,7 @@ import ray  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import pathways as pw  # noqa: E402
-from benchmarks.common import Table, default_out, median, ratio, ratio_text, timed, write_json  # noqa: E402
+from benchmarks.common import Table, attach_ray, default_out, median, ratio, ratio_text, timed, write_json  # noqa: E402
 
 MIB = 2**20
 DEVICES = 4
@@ -213,8 +213,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     reps = args.reps or (3 if args.quick else 7)
 
     start = time.perf_counter()
-    pw.init(topology=pw.Topology(islands=2, hosts_per_island=1, devices_per_host=DEVICES),
-            timeouts=pw.Timeouts(fetch=TIMEOUT_S, op=TIMEOUT_S, start=300.0))
+    attach_ray(pw.init(topology=pw.Topology(islands=2, hosts_per_island=1, devices_per_host=DEVICES),
+                       timeouts=pw.Timeouts(fetch=TIMEOUT_S, op=TIMEOUT_S, start=300.0)))
     print(f"cluster up in {time.perf_counter() - start:.1f}s", flush=True)
     rows: list[Row] = []
     actors = []

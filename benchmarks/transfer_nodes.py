@@ -68,6 +68,7 @@ from pathways.names import RAY_SYSTEM_CONFIG  # noqa: E402
 LABEL = "pathways-bench/node"
 SAME, CROSS = 1, 2  # destination islands: the same node as island 0, and the other node
 HEADLINE = ("256 MiB", "P(x)->P(x)")
+RUNTIME: dict = {}  # the runtime started last: its address and credentials
 
 
 def start_cluster(store_bytes: int):
@@ -85,8 +86,8 @@ def start_cluster(store_bytes: int):
 def start_runtime(address: str, network: bool, streams: int | None = None) -> None:
     """The runtime on the cluster, its actors with the network path on or off and ``streams`` connections per
     peer (the job's runtime_env, which the resource manager's actors inherit)."""
-    from client.jobs import enable_token_auth
     from pathways.names import NAMESPACE
+    from resource_manager.launch import enable_token_auth, start_with_credentials
 
     enable_token_auth()
     env = {"env_vars": {"PATHWAYS_NETWORK": "on" if network else "off"}}
@@ -94,7 +95,10 @@ def start_runtime(address: str, network: bool, streams: int | None = None) -> No
         env["env_vars"]["PATHWAYS_NETWORK_STREAMS"] = str(streams)
     ray.init(address=address, namespace=NAMESPACE, runtime_env=env, logging_level="WARNING")
     topology = pw.Topology(3, 1, DEVICES, node_labels={0: {LABEL: "head"}, 1: {LABEL: "head"}, 2: {LABEL: "worker"}})
-    pw.init(topology=topology, address=address, timeouts=pw.Timeouts(fetch=TIMEOUT_S, op=TIMEOUT_S, start=300.0))
+    timeouts = {"fetch": TIMEOUT_S, "op": TIMEOUT_S, "start": 300.0}
+    RUNTIME.update(start_with_credentials(topology.to_wire(), timeouts))
+    pw.init(address=RUNTIME["address"], tenant=RUNTIME["tenant"], credential=RUNTIME["credential"],
+            timeouts=pw.Timeouts(**timeouts))
 
 
 def stop_runtime(timeout: float = 60.0) -> None:
@@ -119,12 +123,12 @@ def stop_runtime(timeout: float = 60.0) -> None:
 def host_stats(island: int) -> dict:
     from client.session import current
 
-    return ray.get(current().islands[island].hosts[0].stats.remote(), timeout=TIMEOUT_S)
+    return current().host_stats(island, 0)
 
 
 def raw_probe(nbytes: int) -> float:
     """One plain connection from island 0's host to island 2's: seconds for ``nbytes`` landed and acknowledged."""
-    return pw.admin().probe_network((0, 0), (CROSS, 0), nbytes)
+    return pw.admin(RUNTIME["admin_credential"]).probe_network((0, 0), (CROSS, 0), nbytes)
 
 
 def check_nodes(cluster, worker) -> None:

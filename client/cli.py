@@ -1,7 +1,7 @@
 """The ``pathways`` console command: start a shared cluster, manage its tenants, submit their jobs, watch it.
 
     pathways up [--islands N --hosts-per-island H --devices-per-host D] [--port P] [--client-port C]
-                [--address RAY_ADDRESS] [--job-user USER] [--quota D]
+                [--ray-address RAY_ADDRESS] [--job-user USER] [--quota D]
     pathways tenants add NAME --weight W [--quota DEVICES] [--budget NAME=VALUE ...]   (prints a login command)
     pathways tenants list [--json] | set NAME [...] | remove NAME
     pathways login pathways://HOST:PORT --tenant NAME --credential SECRET     (a tenant, on their own machine)

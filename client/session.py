@@ -99,6 +99,7 @@ class Session:
         self.frees = FreeBatcher(self)
         self.events = EventLog()
         self._stop = threading.Event()
+        self._renewed = time.monotonic()
         self._renewer = threading.Thread(target=self._renew_loop, name="pathways-renew", daemon=True)
         self._renewer.start()
 
@@ -128,6 +129,7 @@ class Session:
     def _renew_loop(self) -> None:
         while not self._stop.wait(RENEW_S):
             try:
+                self._renewed = time.monotonic()
                 self.update_islands(self.rm.call(lambda rid: Renew(rid), self.timeouts.start)["islands"])
             except PathwaysError as exc:
                 if not self.closed:
@@ -233,7 +235,8 @@ class Session:
                       min(h["memory_bytes"] for h in hosts), min(h["device_bytes"] for h in hosts))
 
     def refresh(self, island: int) -> bool:
-        """Whether ``island`` serves again (it restarted since it failed here): asks the resource manager."""
+        """Whether ``island`` serves (it has not failed, or restarted since): asks the resource manager."""
+        self._renewed = time.monotonic()
         try:
             self.update_islands(self.rm.call(lambda rid: Renew(rid), self.timeouts.poll * 10)["islands"])
         except PathwaysError:
@@ -251,8 +254,10 @@ class Session:
             pass
 
     def check_islands(self, islands: frozenset[int]) -> None:
-        """Raise IslandFailedError if one of ``islands`` failed (its connection broke, or the resource manager
-        says so) and has not restarted."""
+        """Raise IslandFailedError if one of ``islands`` failed (its connection broke, or the resource manager,
+        asked at most once per poll interval, says so) and has not restarted."""
+        if time.monotonic() - self._renewed > self.timeouts.poll:
+            self.refresh(-1)
         for i in sorted(islands):
             if i in self.dead and not self.refresh(i):
                 raise IslandFailedError(f"island {i} has failed: {self.dead[i]}")

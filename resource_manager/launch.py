@@ -65,6 +65,16 @@ def start_runtime(options: dict) -> dict:
     return info
 
 
+def start_with_credentials(topology: dict, timeouts: dict, tenant: str = "default") -> dict:
+    """Start the runtime on the Ray cluster this process is attached to, with fresh admin and tenant credentials:
+    for operators' scripts that build their own Ray cluster (benchmarks and tests across nodes). Returns the
+    runtime's ``ready`` answer with ``admin_credential``, ``tenant`` and ``credential`` added."""
+    options = {"topology": topology, "op_timeout": timeouts.get("op", 60.0), "gap_timeout": timeouts.get("gap", 30.0),
+               "start_timeout": timeouts.get("start", 300.0), "grace": timeouts.get("grace", 10.0),
+               "admin_credential": auth.new_secret(), "tenant": tenant, "credential": auth.new_secret()}
+    return {**start_runtime(options), **{k: options[k] for k in ("admin_credential", "tenant", "credential")}}
+
+
 def stop_runtime(admin_credential: str) -> list[str]:
     """Stop the runtime's jobs, then remove its actors (the resource manager first: it owns the islands)."""
     import ray

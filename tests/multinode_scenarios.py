@@ -44,6 +44,7 @@ TIMEOUTS = dict(fetch=180.0, op=180.0, start=300.0, poll=0.5)
 PALM_STEPS = 2
 WORKER_RATE = 16e6  # bytes/s the worker node's hosts send at most over the network path
 SHIP_BYTES = 48 << 20  # the transfer that streams when the worker node goes: 3 s at WORKER_RATE
+RUNTIME: dict = {}  # the runtime this script started last: its address and credentials
 
 
 # -- scenarios shared with the single-node runs in test_multinode.py ------------------------------------------
@@ -113,21 +114,28 @@ def start_cluster():
 
 
 def start_runtime(topology: pw.Topology, address: str) -> None:
-    """pw.init on the cluster: the resource manager goes on the head, which outlives the workers."""
-    pw.init(topology=topology, address=address, timeouts=pw.Timeouts(**TIMEOUTS))
+    """The runtime on the cluster (its resource manager on the head, which outlives the workers), then this
+    process attached to it as a client, through the runtime's address."""
+    import ray
+
+    from pathways.names import NAMESPACE
+    from resource_manager.launch import start_with_credentials
+
+    if not ray.is_initialized():
+        ray.init(address=address, namespace=NAMESPACE, logging_level="WARNING")
+    RUNTIME.update(start_with_credentials(topology.to_wire(), TIMEOUTS))
+    attach()
 
 
-def client_on(node: str):
-    """pw.init; the session's lease actor sits on this process's node (asserted), so losing another node
-    never reclaims this live client."""
-    session = pw.init(timeouts=pw.Timeouts(**TIMEOUTS))
-    assert _actor_node(session.lease) == node, "the client's lease is not on the client's node"
-    return session
+def attach():
+    """This process's session on the runtime ``start_runtime`` started last."""
+    return pw.init(address=RUNTIME["address"], tenant=RUNTIME["tenant"], credential=RUNTIME["credential"],
+                   timeouts=pw.Timeouts(**TIMEOUTS))
 
 
 def stop_runtime(timeout: float = 60.0) -> None:
     """Disconnect, then kill the resource manager and islands (what `pathways down` does) and wait for their
-    names to be free, so the next pw.init starts a runtime of another topology."""
+    names to be free, so the next start_runtime starts a runtime of another topology."""
     import ray
 
     from pathways.names import NAMESPACE
@@ -177,11 +185,9 @@ def readme(address: str) -> dict:
 
 
 def _stats(island: int, host: int = 0) -> dict:
-    import ray
-
     from client.session import current
 
-    return ray.get(current().islands[island].hosts[host].stats.remote(), timeout=60)
+    return current().host_stats(island, host)
 
 
 def network() -> dict:
@@ -267,7 +273,7 @@ def node_loss(cluster, worker) -> dict:
     import jax
     import jax.numpy as jnp
 
-    session = client_on(cluster.head_node.node_id)
+    session = attach()  # this process's session: on the head's node, whose loss it never sees
     s0, s1 = pw.slice((2,), ("x",), island=0), pw.slice((2,), ("x",), island=1)
     slow = pw.jit(lambda m: jax.lax.fori_loop(0, 400, lambda i, a: jnp.tanh(a @ m), m), slice=s0)
     after = pw.jit(lambda v: v.sum(), slice=s1)

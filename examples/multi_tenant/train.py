@@ -1,10 +1,10 @@
 """One tenant's training job: linear regression by full-batch gradient descent on a data-parallel
 slice, one ``pw.jit`` step per iteration, dispatched ahead of the losses it prints.
 
-Run it as a Ray job (``pathways submit --tenant NAME -- python train.py``: the job proves its tenant
-with a one-time ticket), or directly against a running cluster with ``RAY_ADDRESS`` and
-``PATHWAYS_TENANT`` set and the tenant's credential at hand (``PATHWAYS_CREDENTIAL`` or
-``$PATHWAYS_HOME/credentials/NAME``). It prints the weight the cluster's registry gives its tenant.
+Run it as a job (``pathways submit --tenant NAME -- python train.py``: the job proves its tenant with a
+one-time ticket), or directly against a running cluster after ``pathways login`` (or with
+``PATHWAYS_ADDRESS``, ``PATHWAYS_TENANT`` and the tenant's credential at hand). It prints the weight the
+cluster's registry gives its tenant.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def report(tenant: str, step: int, loss: pw.Array, t0: float) -> None:
 
 def train(steps: int, seconds: float, devices: int, island: int, batch: int, features: int, lr: float,
           print_every: int) -> float:
-    session = pw.init()  # attaches through RAY_ADDRESS; proves its tenant with the job's ticket (or credential)
+    session = pw.init()  # attaches to the runtime's address; proves its tenant with the job's ticket (or login)
     tenant = session.tenant
     x, y, true_w = make_problem(tenant, batch, features)
     with pw.slice((devices,), ("data",), island=island) as s:

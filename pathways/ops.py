@@ -532,17 +532,20 @@ wire.register("template", {"program": str, "n_inputs": int, "n_values": int, "sl
 class TemplateCache:
     """Decoded and checked templates by their bytes: a program's template arrives with every call, so each
     process decodes and checks it once (``check`` is the island's meaning check, e.g. ``Template.check``).
-    Oldest first out beyond ``size``; a template that failed is remembered as the error it raised."""
+    Each tenant's templates are kept apart, at most ``per_tenant`` of them (its ``templates`` budget, when the
+    caller names one), oldest first out: a tenant sending endless new templates only evicts its own. A template
+    that failed is remembered as the error it raised."""
 
     def __init__(self, check: Callable[[Template], None] | None = None, size: int = 256) -> None:
         self._check = check
         self._size = size
-        self._decoded: dict[bytes, Template | Exception] = {}
+        self._decoded: dict[str, dict[bytes, Template | Exception]] = {}
 
-    def get(self, blob: bytes) -> Template:
+    def get(self, blob: bytes, tenant: str = "", per_tenant: int | None = None) -> Template:
         """The checked template ``blob`` encodes, decoded on first sight; raises the error it failed with, every time.
         """
-        template = self._decoded.get(blob)
+        cache = self._decoded.setdefault(tenant, {})
+        template = cache.get(blob)
         if template is None:
             try:
                 template = Template.decode(blob)
@@ -550,12 +553,17 @@ class TemplateCache:
                     self._check(template)
             except (ProgramError, ResourceError, WireFormatError) as exc:
                 template = exc
-            if len(self._decoded) >= self._size:
-                self._decoded.pop(next(iter(self._decoded)))
-            self._decoded[blob] = template
+            limit = max(1, self._size if per_tenant is None else per_tenant)
+            while len(cache) >= limit:
+                cache.pop(next(iter(cache)))
+            cache[blob] = template
         if isinstance(template, Exception):
             raise type(template)(str(template))
         return template
+
+    def forget(self, tenant: str) -> None:
+        """Drop a tenant's templates (its last session here ended)."""
+        self._decoded.pop(tenant, None)
 
 
 def declared_values(blob: bytes) -> int:

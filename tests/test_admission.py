@@ -96,10 +96,26 @@ def test_an_executable_budget_refuses_what_would_go_over_it():
         jax.ShapeDtypeStruct((4,), np.float32)).serialize()) for k in range(1, 8)]
     from resource_manager.host.executables import content_hash
 
-    with pytest.raises(pw.ResourceError, match="per-tenant budget"):
+    with pytest.raises(pw.ResourceError, match="over your executable_bytes budget"):
         for blob in blobs:
             cache.add("alice", content_hash(blob), blob)
     assert cache.has("alice", content_hash(blobs[0])) and not cache.has("bob", content_hash(blobs[0]))
     cache.add("bob", content_hash(blobs[0]), blobs[0])  # another tenant's budget is its own
     cache.drop_tenant("alice")
     assert not cache.has("alice", content_hash(blobs[0])) and cache.has("bob", content_hash(blobs[0]))
+
+
+def test_a_program_over_the_tenants_program_ops_budget_is_refused_before_it_is_decoded():
+    from pathways.budgets import Budgets
+    from pathways.ops import Send
+
+    a = admission()
+    a.grants.set_budgets("alice", Budgets(program_ops=10))
+    ops = tuple(Send(0, 1, 1, ()) for _ in range(20))
+    many = Template("many", 1, 2, {"s1": DESC}, ops).encode()
+    (refused,) = a.accept(CLIENT, "alice", 0, [empty_call(1, template=many, inputs=(ids(100),))])
+    assert refused.refusal.kind == "ResourceError" and "over your program_ops budget" in refused.refusal.message
+    huge = b"\x00" * (10 * 4096 + 1)  # so large it cannot hold 10 ops or fewer: never decoded at all
+    (refused,) = a.accept(CLIENT, "alice", 1, [empty_call(2, template=huge)])
+    assert "over your program_ops budget" in refused.refusal.message and "bytes holds more than 10 ops" in \
+        refused.refusal.message

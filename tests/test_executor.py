@@ -36,6 +36,8 @@ class Host:
         self.parts = wiring.core(0, 0, 2 if strict else 1, LIMITS, LocalDevices(0), self.peers, op_timeout, 60.0,
                                  self.reports.append)
         p = self.parts
+        for client in (0, 1):  # the sessions whose ids the tests' buffers and receives use
+            p.grants.add_session(client, TENANT, b"k" * 32)
         self.cond, self.table, self.devices, self.exes = p.cond, p.table, p.devices, p.exes
         self.receiver, self.handlers, self.executor = p.receiver, p.handlers, p.executor
         self.seq = 0

@@ -240,3 +240,47 @@ def test_every_delivery_wakes_the_executor(side):
     side.deliver((1, 0), (LEFT, left))
     side.deliver((1, 0), (LEFT, left))
     assert side.touched == 2
+
+
+def test_a_tenant_over_its_mailbox_or_parked_bytes_budget_fails_its_own_receive_at_once():
+    """Receives are owned by the tenant whose session minted their id (here: ids below 2000 are greedy's, the
+    rest careful's). Greedy's pieces over its budgets are refused, its receives fail at once naming the budget,
+    and careful's receive lands as usual."""
+    from pathways.budgets import Budgets
+
+    small = Budgets(mailboxes=2, parked_bytes=48)
+    side = Side()
+    side.receiver._owner = lambda key: ("greedy", small) if key < 2000 else ("careful", Budgets())
+    left, right = halves()
+    for key in (1000, 1001, 1002):  # a third mailbox is over greedy's budget of 2
+        side.deliver((1, 0), (LEFT, left), key=key)
+    assert side.receiver.held("greedy") == (2, 32)
+    side.deliver((1, 1), (RIGHT, right), key=1001)  # 16 more bytes: 48 in all, within the budget
+    side.deliver((1, 1), (RIGHT, right), key=1000)  # 16 more: over the budget of 48 parked bytes
+    for key, budget in ((1002, "mailboxes"), (1000, "parked_bytes")):
+        assert side.recv(key=key)  # fails at once: no waiting for pieces that will never be kept
+        assert side.value(key).kind == "ResourceError" and f"over your {budget} budget" in side.value(key).message
+    assert side.recv(key=1001)
+    np.testing.assert_array_equal(side.value(1001), np.arange(8, dtype=np.float32))
+    side.deliver((1, 0), (LEFT, left), key=5000)
+    side.deliver((1, 1), (RIGHT, right), key=5000)
+    assert side.recv(key=5000)
+    np.testing.assert_array_equal(side.value(5000), np.arange(8, dtype=np.float32))
+    assert side.receiver.held("greedy") == (0, 0) and side.receiver.held("careful") == (0, 0)
+
+
+def test_overlapping_pieces_never_land_uninitialized_bytes(side):
+    """Two pieces that cover the same half twice and the other half never: the buffer (reused memory) would
+    hand back what it held before, so the receive fails instead."""
+    from resource_manager.host.transfer import region
+
+    with pytest.raises(ValueError, match="overlap within"):
+        region({((0, 4),): np.ones(4, np.float32), ((2, 6),): np.ones(4, np.float32)}, ((0, 6),), np.float32)
+    with pytest.raises(ValueError, match="cover only part of"):
+        region({((0, 4),): np.ones(4, np.float32)}, ((0, 6),), np.float32)
+    # 69 pieces writing 70 elements of a 70-element region, twice at its start and never at its end
+    many = {((k, k + 1),): np.ones(1, np.float32) for k in range(68)} | {((0, 2),): np.ones(2, np.float32)}
+    with pytest.raises(ValueError, match="overlap within"):  # counted element by element
+        region(many, ((0, 70),), np.float32)
+    np.testing.assert_array_equal(region({((0, 3),): np.zeros(3, np.float32), ((3, 6),): np.ones(3, np.float32)},
+                                         ((0, 6),), np.float32), [0, 0, 0, 1, 1, 1])

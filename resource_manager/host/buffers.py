@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pathways.budgets import over
 from pathways.errors import TenantAccessError
 
 FAILED_RANGES = 4096  # refused messages remembered per host
@@ -257,6 +258,13 @@ class BufferTable:
     def peak_bytes(self) -> int:
         """The most bytes resident at once since the last ``reset_peak``."""
         return self._peak
+
+    def check_room(self, tenant: str, nbytes: int, limit: int) -> None:
+        """ResourceError naming the ``host_bytes`` budget if ``tenant`` would hold more than ``limit`` bytes here
+        with ``nbytes`` more; checked before an op allocates its outputs, so an op over budget never runs."""
+        held = self._tenant_bytes.get(tenant, 0)
+        if nbytes and held + nbytes > limit:
+            raise over("host_bytes", held, nbytes, limit, "bytes")
 
     def tenant_usage(self, tenant: str) -> dict[str, int]:
         """One tenant's buffers, bytes, and peak bytes since its last ``reset_peak``."""

@@ -66,6 +66,7 @@ class Writer:
 
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
+        self.waiting: list[tuple[int, Callable[[], None], _Pending, str]] = []  # this connection's fetches that wait
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._room = threading.Semaphore(WRITER_QUEUE)
         self._thread = threading.Thread(target=self._run, name="client-writer", daemon=True)
@@ -175,6 +176,11 @@ class ClientService:
                       session.client, exc)
         finally:
             writer.close()
+            for buffer_id, answer, pending, tenant in writer.waiting:  # nobody will read their answers
+                self.parts.table.forget(buffer_id, answer)  # after this, ``answer`` can no longer run
+                if not pending.done:
+                    pending.done = True
+                    self._release(tenant)
 
     # -- the stream and uploads -----------------------------------------------------------------------------
     def _batch(self, conn: Connection, writer: Writer, session: Session, batch: Batch, data: int) -> None:
@@ -259,6 +265,9 @@ class ClientService:
             self._release(tenant)
             writer.answer(fetch.rid, lambda: self._read(fetch, tenant))
             return
+        writer.waiting.append((fetch.id, answer, pending, tenant))
+        if len(writer.waiting) > 64:  # forget the answered ones now and then: the list stays short
+            writer.waiting[:] = [w for w in writer.waiting if not w[2].done]
 
         def expire() -> None:
             self.parts.table.forget(fetch.id, answer)  # after this, ``answer`` can no longer run

@@ -2,7 +2,8 @@
 
 Each tenant sees only the executables its own clients sent (another tenant can
 neither use nor detect them), and pays for them: its serialized executables
-have a byte budget (a message that would go over it is refused), and compiled
+have a byte budget, its ``executable_bytes`` (a message that would go over it
+is refused), and compiled
 executables are charged to it against a budget of their own, the least
 recently used evicted first (they compile again on their next use).
 
@@ -20,7 +21,7 @@ import re
 import threading
 import warnings
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from pathways.budgets import over
 from pathways.errors import ProgramError, ResourceError, WireFormatError
 from pathways.ops import Aval, Limits, SliceDesc, WireSpec, check_fits
 from pathways.sharding import spec_from_wire
@@ -46,10 +48,14 @@ def content_hash(blob: bytes) -> str:
 
 
 @dataclass
-class _Compiled:
+class Compiled:
+    """A compiled executable: its callable, its estimated size, what one run allocates (outputs and temporaries,
+    checked against free memory), and what stays resident after it (its outputs, on this host)."""
+
     call: Any
     nbytes: int
-    out_bytes: int  # what one run allocates (outputs and temporaries), checked against free memory
+    out_bytes: int
+    resident_bytes: int
 
 
 class ExecutableCache:
@@ -59,13 +65,16 @@ class ExecutableCache:
     shapes does not recompile.
     """
 
-    def __init__(self, limits: Limits, blob_budget: int = BLOB_BUDGET, compiled_budget: int = COMPILED_BUDGET) -> None:
+    def __init__(self, limits: Limits, blob_budget: int | Callable[[str], int] = BLOB_BUDGET,
+                 compiled_budget: int = COMPILED_BUDGET) -> None:
         self.limits = limits
-        self.blob_budget, self.compiled_budget = blob_budget, compiled_budget
+        # per tenant: the admin's ``executable_bytes`` budget, or one number for every tenant
+        self._blob_budget = blob_budget if callable(blob_budget) else (lambda tenant: blob_budget)
+        self.compiled_budget = compiled_budget
         self._lock = threading.Lock()
         self._exported: dict[str, Any] = {}  # hash -> jax.export.Exported, shared by the tenants that sent it
         self._blobs: dict[str, dict[str, int]] = {}  # tenant -> {hash: blob bytes}
-        self._compiled: dict[str, OrderedDict[tuple, _Compiled]] = {}
+        self._compiled: dict[str, OrderedDict[tuple, Compiled]] = {}
         self.compiles = 0
         self.hits = 0
         self.evictions = 0
@@ -79,11 +88,9 @@ class ExecutableCache:
             return
         if content_hash(blob) != exe_hash:
             raise WireFormatError(f"executable bytes do not match their hash {exe_hash[:12]}…; refusing them")
-        total = sum(held.values()) + len(blob)
-        if total > self.blob_budget:
-            raise ResourceError(f"the executables your clients sent island {self.limits.island} would take "
-                                f"{total / 2**20:.1f} MiB, over the per-tenant budget of "
-                                f"{self.blob_budget / 2**20:.0f} MiB; use fewer distinct functions or shapes")
+        limit = self._blob_budget(tenant)
+        if sum(held.values()) + len(blob) > limit:
+            raise over("executable_bytes", sum(held.values()), len(blob), limit, "bytes")
         exported = self._exported.get(exe_hash)
         if exported is None:
             exported = _deserialize(exe_hash, blob)
@@ -125,10 +132,10 @@ class ExecutableCache:
             raise ResourceError(f"a run of this computation allocates {entry.out_bytes / 2**30:.3g} GiB on island "
                                 f"{self.limits.island}, more than the host has free now; try again later or "
                                 "use a smaller shape")
-        return entry.call
+        return entry
 
     def _compile(self, tenant: str, exe_hash: str, mesh: Mesh, desc: SliceDesc, in_specs: Sequence[WireSpec],
-                 out_specs: Sequence[WireSpec], donate: tuple[int, ...]) -> _Compiled:
+                 out_specs: Sequence[WireSpec], donate: tuple[int, ...]) -> Compiled:
         if not self.has(tenant, exe_hash):
             raise ProgramError(f"executable {exe_hash[:12]}… was never sent to island {self.limits.island} by "
                                "your clients; the client includes it with the first fragment that uses it")
@@ -149,9 +156,10 @@ class ExecutableCache:
                                donate_argnums=donate).lower(*avals).compile()
         stats = compiled.memory_analysis()
         out_bytes = 0 if stats is None else int(stats.output_size_in_bytes + stats.temp_size_in_bytes)
+        resident = 0 if stats is None else int(stats.output_size_in_bytes)
         code = 0 if stats is None else int(stats.generated_code_size_in_bytes)
         blob = self._blobs.get(tenant, {}).get(exe_hash, 0)
-        return _Compiled(compiled, max(code, 4 * blob), out_bytes)
+        return Compiled(compiled, max(code, 4 * blob), out_bytes, resident)
 
     def _evict(self, per_tenant: OrderedDict) -> None:
         while len(per_tenant) > 1 and (len(per_tenant) > COMPILED_ENTRIES

@@ -11,6 +11,7 @@ import threading
 from dataclasses import dataclass
 
 from pathways.budgets import Budgets
+from pathways.messages import client_of
 from pathways.ops import SliceDesc
 
 
@@ -56,6 +57,11 @@ class Grants:
     def budgets(self, tenant: str) -> Budgets:
         """``tenant``'s budgets on this host: the one place a host looks them up (the defaults until told)."""
         return self._budgets.get(tenant) or Budgets()
+
+    def owner(self, buffer_id: int) -> tuple[str, Budgets] | None:
+        """The tenant whose session minted ``buffer_id``, with its budgets; None when no session here did."""
+        session = self._sessions.get(client_of(buffer_id))
+        return None if session is None else (session.tenant, self.budgets(session.tenant))
 
     def grant(self, key: str, tenant: str, desc: SliceDesc) -> None:
         """``tenant`` holds slice ``key`` on the devices ``desc`` names."""

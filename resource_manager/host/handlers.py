@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from pathways.budgets import Budgets
 from pathways.errors import ProgramError, to_wire
 from pathways.events import EventLog
 from pathways.messages import Deliver
@@ -52,8 +53,9 @@ class Handlers:
 
     def __init__(self, island: int, host: int, devices: LocalDevices, table: BufferTable, exes: ExecutableCache,
                  peers: Peers, pool: BufferPool, receiver: Receiver, uploads: Uploads, events: EventLog,
-                 op_timeout: float) -> None:
+                 op_timeout: float, budgets: Callable[[str], Budgets] = lambda tenant: Budgets()) -> None:
         self.island, self.host = island, host
+        self.budgets = budgets
         self.devices, self.table, self.exes, self.uploads = devices, table, exes, uploads
         self.peers, self.pool, self.receiver, self.events = peers, pool, receiver, events
         self.op_timeout = op_timeout
@@ -138,7 +140,9 @@ class Handlers:
             return False
         donate = self._donatable(run, op)
         compiled = self.exes.get(run.tenant, op.exe, mesh, desc, op.in_specs, op.out_specs, donate)
-        results = compiled(*[e.value for e in entries])
+        freed = sum(entries[p].nbytes for p in donate)
+        self.table.check_room(run.tenant, compiled.resident_bytes - freed, self.budgets(run.tenant).host_bytes)
+        results = compiled.call(*[e.value for e in entries])
         # One launch at a time: XLA's CPU collectives deadlock when many multi-device launches are in
         # flight, and blocking makes the island time charged to each tenant (and traced) real.
         jax.block_until_ready(results)
@@ -179,6 +183,7 @@ class Handlers:
             if piece.dtype != dtype or piece.shape != tuple(b - a for a, b in index):
                 raise ProgramError(f"pw.put: a piece of {piece.dtype}{list(piece.shape)} does not match region "
                                    f"{index} of {op.aval.describe()}")
+        self.table.check_room(run.tenant, sum(p.nbytes for p in pieces.values()), self.budgets(run.tenant).host_bytes)
         try:
             array = assemble(self.landing(op.slice, op.spec, shape, dtype), pieces, self.pool.take)
         except ValueError as exc:
@@ -190,6 +195,7 @@ class Handlers:
         expect, landing = self._local(run, op)
         if expect is None:
             return True
+        self.table.check_room(run.tenant, landing.nbytes, self.budgets(run.tenant).host_bytes)
         return self.receiver.recv(run.rid(op.out), op, expect, landing, run.tenant, run.label, final)
 
     def _send(self, run: Run, op: Send) -> bool:

@@ -170,8 +170,11 @@ class Host:
                 free = Free((), everything=True)
                 entry = Admitted(order.client, session.tenant, free.encode(), free)
                 self._forward(p.scheduler.queue([entry]))
-        if session.tenant not in p.grants.tenants():
+        if session.tenant not in p.grants.tenants():  # its last session here: forget what it sent
             p.exes.drop_tenant(session.tenant)
+            p.inbox.templates.forget(session.tenant)
+            if p.admission is not None:
+                p.admission.templates.forget(session.tenant)
 
     # -- clients' streams (host 0) ------------------------------------------------------------------------
     def submit(self, session: Session, first: int, msgs: list[bytes]) -> None:

@@ -65,7 +65,7 @@ class Inbox:
         if refusal is not None:
             return Admitted(client, tenant, payload, None, None, Failure(*refusal), lo, hi)
         request = decode_request(payload)
-        template = self.templates.get(request.template) if isinstance(request, Call) else None
+        template = self.templates.get(request.template, tenant) if isinstance(request, Call) else None
         return Admitted(client, tenant, payload, request, template)
 
     def _admit_ready(self) -> None:

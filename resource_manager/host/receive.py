@@ -7,7 +7,11 @@ and hosts its plan names; anything else is refused and its lease returned.
 Every mailbox is bounded: pieces for a receive that already finished (or
 failed) go straight back to their sender, and a mailbox no recv op claims
 within the op timeout is dropped, so a sender never keeps lent memory for a
-receive that will not come.
+receive that will not come. Mailboxes belong to the tenant whose client minted
+the receive id, and count against its ``mailboxes`` and ``parked_bytes``
+budgets: a piece that would take the tenant over one is refused, and its
+receive fails at once with a ResourceError naming the budget; no other
+tenant's receive is affected.
 
 On a multi-host island a recv op must not hold the island's order while its
 data is on the way (two islands exchanging data could each wait on the
@@ -28,7 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from pathways.errors import IslandFailedError
+from pathways.budgets import Budgets, over
+from pathways.errors import IslandFailedError, to_wire
 from pathways.messages import Deliver
 from pathways.ops import MAX_SHARDS, Expect, Recv, Region
 from resource_manager.host.buffer_pool import BufferPool
@@ -47,9 +52,11 @@ log = logging.getLogger(__name__)
 class Mailbox:
     """What arrived for one receive id, by sender: a piece from one host never displaces another's."""
 
+    tenant: str
     pieces: dict[tuple[Sender, Region], Any] = field(default_factory=dict)  # np.ndarray | Lent
     failure: Failure | None = None
     since: float = field(default_factory=time.monotonic)
+    nbytes: int = 0
 
     def count(self, allowed: frozenset[Sender]) -> int:
         """Pieces from the ``allowed`` senders."""
@@ -68,16 +75,25 @@ class _Watch:
     since: float = field(default_factory=time.monotonic)
 
 
+def _piece_bytes(piece: Any) -> int:
+    """Bytes a delivered piece holds in this host's memory (a lent one stays in its sender's, which counts it)."""
+    return 0 if isinstance(piece, Lent) else int(getattr(piece, "nbytes", 0))
+
+
 class Receiver:
     """Files delivered pieces and runs recv ops. Called with the host's condition held, except ``recv``."""
 
     def __init__(self, island: int, host: int, table: BufferTable, pool: BufferPool, peers: Peers,
-                 cond: threading.Condition, op_timeout: float, touch: Callable[[], None]) -> None:
+                 cond: threading.Condition, op_timeout: float, touch: Callable[[], None],
+                 owner: Callable[[int], tuple[str, Budgets] | None] | None = None) -> None:
         self.island, self.host = island, host
         self.table, self.pool, self.peers, self.cond = table, pool, peers, cond
         self.op_timeout = op_timeout
         self._touch = touch
+        self._owner = owner or (lambda key: ("", Budgets()))
         self.mailbox: dict[int, Mailbox] = {}
+        self._held: dict[str, list[int]] = {}  # tenant -> [mailboxes, parked bytes]
+        self._refusals: OrderedDict[int, Failure] = OrderedDict()  # receives failed by a budget
         self._finished: OrderedDict[int, None] = OrderedDict()
         self._watches: dict[int, _Watch] = {}
         self._landed: list[tuple[int, int]] = []
@@ -90,26 +106,80 @@ class Receiver:
     def deliver(self, msg: Deliver, pieces: Sequence[Any], sender: Sender) -> None:
         """File pieces from ``sender`` for receive ``msg.key`` (the caller holds the condition)."""
         key = msg.key
-        if key in self._finished or (key not in self.mailbox and len(self.mailbox) >= MAX_MAILBOXES):
+        box = self.mailbox.get(key)
+        if key in self._finished or key in self._refusals or (box is None and len(self.mailbox) >= MAX_MAILBOXES):
             self._give_back(pieces)
             return
-        box = self.mailbox.setdefault(key, Mailbox())
+        nbytes = sum(_piece_bytes(p) for p in pieces)
+        if box is None:
+            owner = self._owner(key)
+            if owner is None:  # no session minted this id: nobody will ever claim it
+                self._give_back(pieces)
+                return
+            tenant, budgets = owner
+            held = self._held.setdefault(tenant, [0, 0])
+            if held[0] >= budgets.mailboxes:
+                return self._refuse(key, pieces, over("mailboxes", held[0], 1, budgets.mailboxes, "receives"))
+            box = self.mailbox[key] = Mailbox(tenant)
+            held[0] += 1
+        held = self._held[box.tenant]
+        budget = self._owner(key)
+        limit = budget[1].parked_bytes if budget is not None else 0
+        if held[1] + nbytes > limit:
+            self._drop_box(key)
+            return self._refuse(key, pieces, over("parked_bytes", held[1], nbytes, limit, "bytes"))
         if msg.failure is not None:
             box.failure = Failure(*msg.failure)
         for shard, data in zip(msg.shards, pieces):
             if len(box.pieces) >= MAX_SHARDS:
                 self._give_back([data])
                 continue
-            old = box.pieces.get((sender, shard))
+            old = box.pieces.pop((sender, shard), None)
             if old is not None:
                 self._give_back([old])
+                box.nbytes -= _piece_bytes(old)
+                held[1] -= _piece_bytes(old)
             box.pieces[(sender, shard)] = data
+            box.nbytes += _piece_bytes(data)
+            held[1] += _piece_bytes(data)
             if isinstance(data, np.ndarray):
                 self.bytes_in += data.nbytes
         watch = self._watches.get(key)
         if watch is not None and self._complete(box, watch.count, watch.allowed):
             self._land_watch(key)
         self._touch()
+
+    def _refuse(self, key: int, pieces: Sequence[Any], error: Exception) -> None:
+        """Refuse what arrived for ``key`` over its tenant's budget; its receive fails with ``error`` when it
+        runs (or at once, if it is waiting)."""
+        self.refused += len(pieces)
+        self._give_back(pieces)
+        if key not in self._refusals:
+            log.warning("island %d host %d refused receive %d: %s", self.island, self.host, key, error)
+        self._refusals[key] = Failure(*to_wire(error))
+        while len(self._refusals) > FINISHED:
+            self._refusals.popitem(last=False)
+        watch = self._watches.get(key)
+        if watch is not None:
+            self._land_watch(key)
+        self._touch()
+
+    def _drop_box(self, key: int) -> Mailbox | None:
+        """Remove a mailbox and take its tenant's counts back."""
+        box = self.mailbox.pop(key, None)
+        if box is not None:
+            held = self._held[box.tenant]
+            held[0] -= 1
+            held[1] -= box.nbytes
+            if held == [0, 0]:
+                del self._held[box.tenant]
+        return box
+
+    def held(self, tenant: str) -> tuple[int, int]:
+        """(mailboxes, parked bytes) ``tenant`` holds on this host now."""
+        with self.cond:
+            mailboxes, nbytes = self._held.get(tenant, (0, 0))
+            return mailboxes, nbytes
 
     def _give_back(self, pieces: Sequence[Any]) -> None:
         lent = [p for p in pieces if isinstance(p, Lent)]
@@ -131,7 +201,7 @@ class Receiver:
     def drop(self, key: int) -> None:
         """The receive failed or will never run: return what was lent for it, refuse what comes later."""
         with self.cond:
-            box = self.mailbox.pop(key, None)
+            box = self._drop_box(key)
             self._finish(key)
             self._watches.pop(key, None)
         if box is not None:
@@ -148,6 +218,14 @@ class Receiver:
         (``final``: they will not come any more, so that is a failure)."""
         allowed = frozenset((op.src, s) for s in expect.senders)
         with self.cond:
+            refused = self._refusals.pop(key, None)
+            if refused is not None:
+                box = self._drop_box(key)
+                if box is not None:
+                    self._give_back(list(box.pieces.values()))
+                self._finish(key)
+                self.table.put(key, tenant, refused)
+                return True
             box = self.mailbox.get(key)
             if box is not None:
                 self._refuse_foreign(key, box, allowed)
@@ -159,7 +237,7 @@ class Receiver:
                     raise IslandFailedError(f"island {self.island} waited {self.op_timeout:.0f}s for a transfer from "
                                             f"island {op.src} (program {label!r}); that island is dead or stuck")
                 return False
-            del self.mailbox[key]
+            self._drop_box(key)
             self._finish(key)
         if box.failure is not None:
             self._give_back(list(box.pieces.values()))
@@ -187,7 +265,11 @@ class Receiver:
         self.refused += len(foreign)
         log.warning("island %d host %d refused %d piece(s) for receive %d from hosts %s that its plan does not "
                     "name", self.island, self.host, len(foreign), key, sorted({sender for sender, _ in foreign}))
-        self._give_back([box.pieces.pop(k) for k in foreign])
+        dropped = [box.pieces.pop(k) for k in foreign]
+        nbytes = sum(_piece_bytes(p) for p in dropped)
+        box.nbytes -= nbytes
+        self._held[box.tenant][1] -= nbytes
+        self._give_back(dropped)
 
     # -- parked recv ops (multi-host islands) -----------------------------------------------------------
     def watch(self, seq: int, pc: int, key: int, op: Recv, expect: Expect | None) -> None:
@@ -220,7 +302,7 @@ class Receiver:
                 self._land_watch(key)
         stale = [k for k, box in self.mailbox.items() if box.since < horizon - self.op_timeout]
         for key in stale:
-            box = self.mailbox.pop(key)
+            box = self._drop_box(key)
             self._finish(key)
             self._give_back(list(box.pieces.values()))
         oldest = min([w.since for w in self._watches.values()], default=now + self.op_timeout)

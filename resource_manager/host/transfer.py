@@ -57,14 +57,16 @@ def region(pieces: dict[Index, np.ndarray | Lent], want: Index, dtype: np.dtype,
     """The ``want`` region, gathered from the pieces that overlap it into ``alloc``'s buffer.
 
     Overlaps with lent pieces are not copied here but appended to ``lent`` as ``(piece, out, want)``,
-    for ``direct.copy_into`` to fill in one pass.
+    for ``direct.copy_into`` to fill in one pass. The pieces must cover the region exactly once: a landing
+    buffer is reused memory, and a byte no piece wrote would hand back whatever it held before (ValueError).
     """
     out = alloc([b - a for a, b in want], dtype)
-    filled = 0
+    shared_all = []
     for have, data in pieces.items():
         shared = intersection(have, want)
         if shared is None:
             continue
+        shared_all.append(shared)
         if isinstance(data, Lent):
             if lent is None:
                 raise ValueError(f"region {want} overlaps a lent piece but no list collects the copies")
@@ -73,10 +75,27 @@ def region(pieces: dict[Index, np.ndarray | Lent], want: Index, dtype: np.dtype,
             src = tuple(slice(x - a, y - a) for (x, y), (a, _) in zip(shared, have))
             dst = tuple(slice(x - c, y - c) for (x, y), (c, _) in zip(shared, want))
             out[dst] = data[src]
-        filled += math.prod(y - x for x, y in shared)
-    if filled < out.size:
-        raise ValueError(f"received pieces cover {filled} of the {out.size} elements of region {want}")
+    check_cover(shared_all, want)
     return out
+
+
+def check_cover(parts: list[Index], want: Index) -> None:
+    """ValueError unless ``parts`` (each within ``want``) cover every element of ``want`` exactly once."""
+    size = math.prod(b - a for a, b in want)
+    filled = sum(math.prod(y - x for x, y in p) for p in parts)
+    if filled == size and len(parts) <= 64:
+        overlapping = any(intersection(parts[i], parts[j]) is not None
+                          for i in range(len(parts)) for j in range(i + 1, len(parts)))
+    elif filled == size:  # many pieces: count each element's writers
+        count = np.zeros([b - a for a, b in want], np.uint8)
+        for p in parts:
+            count[tuple(slice(x - a, y - a) for (x, y), (a, _) in zip(p, want))] += 1
+        overlapping = bool((count != 1).any())
+    else:
+        overlapping = filled > size
+    if filled != size or overlapping:
+        raise ValueError(f"received pieces {'overlap within' if overlapping else 'cover only part of'} region "
+                         f"{want} ({filled} of its {size} elements written); refusing to land it")
 
 
 @dataclass(frozen=True)
@@ -88,6 +107,11 @@ class Landing:
     dtype: np.dtype
     sharding: NamedSharding
     wanted: list[tuple[jax.Device, Index]]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the array takes on this host once landed (each local device's region)."""
+        return sum(math.prod(b - a for a, b in idx) for _, idx in self.wanted) * self.dtype.itemsize
 
 
 def assemble(landing: Landing, pieces: dict[Index, np.ndarray | Lent], alloc: Alloc = aligned_empty) -> jax.Array:

@@ -71,15 +71,16 @@ def core(island: int, index: int, n_hosts: int, limits: Limits, devices: LocalDe
     events = events or EventLog()
     table = BufferTable(cond)
     pool = BufferPool()
-    exes = ExecutableCache(limits)
+    exes = ExecutableCache(limits, lambda tenant: grants.budgets(tenant).executable_bytes)
     holder: list[Parts] = []
 
     def touch() -> None:
         holder[0].touch()
 
     uploads = Uploads(2 * op_timeout, touch)
-    receiver = Receiver(island, index, table, pool, peers, cond, op_timeout, touch)
-    handlers = Handlers(island, index, devices, table, exes, peers, pool, receiver, uploads, events, op_timeout)
+    receiver = Receiver(island, index, table, pool, peers, cond, op_timeout, touch, grants.owner)
+    handlers = Handlers(island, index, devices, table, exes, peers, pool, receiver, uploads, events, op_timeout,
+                        grants.budgets)
     executor = Executor(island, index, n_hosts > 1, handlers, receiver, table, cond, op_timeout, events, report)
     inbox = Inbox(island, index, executor, table, exes, TemplateCache(check=lambda t: t.check(limits)), cond)
     parts = Parts(cond, limits, devices, grants, table, pool, exes, uploads, peers, receiver, handlers, executor,

@@ -16,12 +16,13 @@ Dropped buffers go back to the pool as soon as the last thread writing into them
 
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import socket
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -76,13 +77,23 @@ def bind(ip: str, ports: range | None) -> socket.socket:
 
 @dataclass(eq=False)
 class _Partial:
-    """A piece being landed: its buffer, how many bytes arrived, and whether it counts as unclaimed."""
+    """A piece being landed: its buffer, the byte ranges that arrived (sorted, disjoint: a piece is whole only
+    when every byte was written once, so a landing buffer never hands back bytes it held before), and whether it
+    counts as unclaimed."""
 
     array: np.ndarray
     view: memoryview
     total: int
     reserved: bool
     received: int = 0
+    ranges: list[tuple[int, int]] = field(default_factory=list)
+
+    def claim(self, offset: int, length: int) -> None:
+        """Note bytes ``offset:offset+length`` as arriving; ProtocolError if some of them already did."""
+        k = bisect.bisect(self.ranges, (offset, offset + length))
+        if (k and self.ranges[k - 1][1] > offset) or (k < len(self.ranges) and self.ranges[k][0] < offset + length):
+            raise ProtocolError(f"bytes {offset}:{offset + length} of a piece arrived twice")
+        self.ranges.insert(k, (offset, offset + length))
 
 
 class DataServer:
@@ -207,6 +218,7 @@ class DataServer:
                 self._partials[slot] = piece
             elif piece.total != h.total:
                 raise ProtocolError(f"shard {h.shard} of receive {h.key} was {piece.total} bytes, now {h.total}")
+            piece.claim(h.offset, h.length)
         try:
             recv_exactly(conn, piece.view[h.offset:h.offset + h.length])
         except BaseException:

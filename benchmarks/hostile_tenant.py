@@ -1,0 +1,326 @@
+"""A hostile tenant against a victim tenant on one cluster: every abuse in turn, while the victim runs a small
+program every 100 ms and measures how long each takes.
+
+The hostile tenant holds nothing but its own credential, as any tenant does: it runs in a process of its own
+that speaks the runtime's protocol (no Ray), and tries to act for the victim, read or change its data, or
+starve it: claiming the victim's session, the admin's operations, the hosts' data ports without the runtime's
+key, a guessed job ticket, frames replayed to another island, fetches that never return, programs of 65,536
+ops, bursts of long computations, a gigabyte of host memory, sessions and connections by the dozen, ten
+thousand cheap requests, and its session after the admin rotated its credential. The victim's latency alone
+is measured first. The last line:
+
+    hostile tenant: A abuses, victim served S/N, worst victim latency L ms (alone M ms), lost 0
+
+The goal: S = N, nothing lost, and L within 3x of M plus the victim's fair share of one abuse's op.
+
+    python -m benchmarks.hostile_tenant [--quick] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.common import Table, default_out, median, write_json
+
+PERIOD_S = 0.1
+HOSTILE_BUDGETS = {"host_bytes": 256 << 20, "parked_bytes": 256 << 20}
+LONG_OP_S = 0.2  # one of the hostile tenant's long computations
+
+
+# -- the hostile tenant's process ---------------------------------------------------------------------------
+
+def _refused(fn: Any) -> str:
+    """What happened when the hostile tenant tried ``fn``: the error that refused it, or that it went through."""
+    try:
+        fn()
+    except Exception as exc:  # every refusal counts, whatever its kind
+        return f"refused: {type(exc).__name__}: {str(exc)[:140]}"
+    return "went through"
+
+
+def _connect(session: Any, island: int | None, client: int, key: bytes | None) -> Any:
+    from pathways.protocol.connection import connect
+
+    address = session.address if island is None else session.islands[island].hosts[0]["client"]
+    return connect(address, client if key else 0, key, lambda identity: None, 1 << 30, 1 << 30)
+
+
+def abuse(name: str, victim_client: int) -> dict:
+    """Run one abuse as the hostile tenant; returns what happened, as the runtime answered it."""
+    import jax
+    import jax.numpy as jnp
+
+    import pathways as pw
+    from client.array import Array
+    from pathways import wire
+    from pathways.messages import Call
+    from pathways.ops import Send, Template
+    from pathways.protocol import frames
+    from pathways.requests import AdminOp, Answer, Fetch, Open, Ping, State
+
+    session = pw.init(timeouts=pw.Timeouts(fetch=60.0))
+    s = pw.slice((2,), ("x",), island=0)
+    out: dict = {"abuse": name}
+    if name == "claim the victim's session":
+        out["outcome"] = "; ".join(_refused(lambda i=i: _connect(session, i, victim_client, session._key))
+                                   for i in (None, 0, 1))
+    elif name == "the admin's operations":
+        out["outcome"] = "; ".join(_refused(lambda op=op: session.rm.call(
+            lambda rid: AdminOp(rid, "guessed", op, {"name": "hostile", "weight": 1e6}), 30))
+            for op in ("tenant_set", "state", "reclaim"))
+    elif name == "a host's data port without the runtime key":
+        results = []
+        for host in (h for isl in pw.status().islands for h in isl.hosts if h.data):
+            ip, port = host.data.rsplit(":", 1)
+            with socket.create_connection((ip, int(port)), timeout=10) as conn:
+                conn.recv(4096)
+                conn.sendall(os.urandom(80) + b"\x00" * (1 << 16))  # a forged hello, then "data"
+                conn.settimeout(10)
+                try:
+                    results.append("closed" if conn.recv(1) == b"" else "answered")
+                except OSError:
+                    results.append("closed")
+        out["outcome"] = f"refused: {results.count('closed')} of {len(results)} data ports closed the connection"
+    elif name == "a guessed job ticket":
+        from client.link import Link, expect_role
+
+        def redeem() -> Any:
+            link = Link(session.address, 0, None, expect_role(None, "rm"), "the resource manager")
+            return link.call(lambda rid: Open(rid, "victim", None, "guessed-ticket", os.getpid(), "someone's-job"), 30)
+
+        out["outcome"] = _refused(redeem)
+    elif name == "a frame replayed to another island":
+        conn = _connect(session, 0, session.client_id, session._key)
+        payload = Ping(1).encode()
+        frame = frames.head(conn._key, frames.TO_SERVER, 1, payload, 0) + payload
+        conn.send(payload)
+        conn.recv()
+        other = _connect(session, 1, session.client_id, session._key)
+        other.sock.sendall(frame)
+        out["outcome"] = _refused(other.recv)
+    elif name == "fetches of a buffer that never comes, 300 of them":
+        conn = _connect(session, 0, session.client_id, session._key)
+        never = session.mint()
+        for rid in range(300):
+            conn.send(Fetch(rid, never, 3600.0, False).encode())
+        frame = conn.recv()
+        conn.skip(frame.data)
+        out["outcome"] = str(wire.parse(frame.payload, Answer).value)[:160]
+        time.sleep(2.0)  # they wait meanwhile, holding no thread
+    elif name in ("a program of 65,536 sends", "ten programs of 131,072 ops"):
+        n, count = (65536, 1) if name.startswith("a program") else (131072, 10)
+        desc = s.desc()
+        template = Template("flood", 1, 2, {desc.key: desc}, tuple(Send(0, 1, 1, ()) for _ in range(n))).encode()
+        x = pw.put(np.ones(2, np.float32), s)
+        outs = []
+        for _ in range(count):
+            base = session.mint(2)
+            session.outboxes.put(0, Call(template, base, (x.id,), {}, ()).encode())
+            outs.append(Array(session, base + 1, (2,), np.float32, s, x.spec, frozenset({0})))
+        out["outcome"] = _refused(lambda: outs[-1].fetch(timeout=60))
+    elif name == "bursts of long computations with a low cost estimate":
+        cheap = pw.jit(lambda v: v + 1.0, slice=s)
+        iters = int(LONG_OP_S * 1.4e11 / (2 * 256**3))
+        long = pw.jit(lambda m: jax.lax.fori_loop(0, iters, lambda i, a: jnp.tanh(a @ m) * 0.5, m), slice=s)
+        x, m = pw.put(np.ones(2, np.float32), s), pw.put(np.eye(256, dtype=np.float32), s)
+        for _ in range(3):
+            ys = [cheap(x) for _ in range(64)]  # teach the scheduler that this tenant's work is cheap
+            ys[-1].block_until_ready()
+            burst = [long(m) for _ in range(20)]  # then 20 long ones at once
+            burst[-1].block_until_ready(timeout=120)
+        out["outcome"] = "ran (its island time charged to it)"
+    elif name == "a gigabyte of host memory":
+        out["outcome"] = _refused(lambda: pw.put(np.ones(1 << 28, np.float32), s).block_until_ready(timeout=60))
+    elif name == "sessions and connections by the dozen":
+        from client.session import Session
+
+        opened, refusals = [], []
+        for _ in range(20):
+            try:
+                opened.append(Session(session.address, session.tenant, session.timeouts,
+                                      os.environ["PATHWAYS_CREDENTIAL"]))
+            except pw.PathwaysError as exc:
+                refusals.append(str(exc)[:100])
+        conns, closed = [], 0
+        for _ in range(100):
+            try:
+                conn = _connect(session, 0, session.client_id, session._key)
+                conn.send(Ping(1).encode())
+                conn.recv()
+                conns.append(conn)
+            except (OSError, pw.PathwaysError):
+                closed += 1
+        for extra in opened:
+            extra.close()
+        out["outcome"] = (f"{len(opened)} more sessions opened, then refused: {refusals[:1]}; "
+                          f"{closed} of 100 connections refused")
+    elif name == "ten thousand cheap requests":
+        conn = _connect(session, 0, session.client_id, session._key)
+        start = time.monotonic()
+        for rid in range(10000):
+            conn.send(Ping(rid).encode())
+        for _ in range(10000):
+            frame = conn.recv()
+            conn.skip(frame.data)
+        out["outcome"] = f"answered in {time.monotonic() - start:.1f}s"
+        session.rm.call(lambda rid: State(rid), 30)
+    elif name == "its session after the admin rotated its credential":
+        print(json.dumps({"ready": True}), flush=True)
+        sys.stdin.readline()  # the admin rotates the credential now
+        out["outcome"] = _refused(lambda: pw.slice((1,), ("x",)))
+    else:
+        raise SystemExit(f"no abuse named {name!r}")
+    return out
+
+
+ABUSES = ["claim the victim's session", "the admin's operations", "a host's data port without the runtime key",
+          "a guessed job ticket", "a frame replayed to another island",
+          "fetches of a buffer that never comes, 300 of them", "a program of 65,536 sends",
+          "ten programs of 131,072 ops", "bursts of long computations with a low cost estimate",
+          "a gigabyte of host memory", "sessions and connections by the dozen", "ten thousand cheap requests",
+          "its session after the admin rotated its credential"]
+
+
+# -- the benchmark: the admin and the victim ----------------------------------------------------------------
+
+class Victim:
+    """The victim's small program, every ``PERIOD_S`` on island 0; latencies by phase, failures counted."""
+
+    def __init__(self) -> None:
+        import pathways as pw
+
+        self.slice = pw.slice((2,), ("x",), island=0)
+        self.step = pw.jit(lambda v: v * 2.0 - v + 1.0, slice=self.slice, name="victim")
+        self.keep = pw.put(np.arange(1024, dtype=np.float32), self.slice)
+        self.x = pw.put(np.zeros(4, np.float32), self.slice)
+        self.expected = 0.0
+        self.phase = "alone"
+        self.latency: dict[str, list[float]] = {}
+        self.failed: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        import pathways as pw
+
+        while not self._stop.wait(PERIOD_S):
+            phase, start = self.phase, time.monotonic()
+            try:
+                self.x = self.step(self.x)
+                self.expected += 1.0
+                value = self.x.fetch(timeout=60)
+                ok = value[0] == self.expected
+            except pw.PathwaysError:
+                ok = False
+            if ok:
+                self.latency.setdefault(phase, []).append(time.monotonic() - start)
+            else:
+                self.failed[phase] = self.failed.get(phase, 0) + 1
+                self.x, self.expected = pw.put(np.zeros(4, np.float32), self.slice), 0.0
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=120)
+
+    def lost(self) -> int:
+        """Whether the victim's kept array is still what it put there (0: nothing lost)."""
+        import pathways as pw
+
+        try:
+            ident = pw.jit(lambda v: v, slice=self.slice)(self.keep).fetch(timeout=60)
+            return int(not np.array_equal(ident, np.arange(1024, dtype=np.float32)))
+        except pw.PathwaysError:
+            return 1
+
+
+def run_abuse(name: str, env: dict, victim_client: int, rotate: Any) -> dict:
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.hostile_tenant", "--abuse", name,
+                             "--victim-client", str(victim_client)], env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if name.startswith("its session after"):
+        assert json.loads(proc.stdout.readline()).get("ready")
+        rotate()
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+    try:
+        out, err = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+    lines = [json.loads(line) for line in out.splitlines() if line.startswith("{") and "abuse" in line]
+    return lines[-1] if lines else {"abuse": name, "outcome": f"the hostile process failed: {err.strip()[-300:]}"}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="skip the two heaviest abuses (the 131k-op programs, the "
+                   "gigabyte)")
+    p.add_argument("--out", default=str(default_out("hostile_tenant")))
+    p.add_argument("--abuse", help=argparse.SUPPRESS)
+    p.add_argument("--victim-client", type=int, default=0, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.abuse:
+        print(json.dumps(abuse(args.abuse, args.victim_client)), flush=True)
+        return
+
+    import pathways as pw
+
+    session = pw.init(topology=pw.Topology(2, 1, 4), timeouts=pw.Timeouts(fetch=60.0, op=30.0, grace=3.0))
+    admin = pw.admin()
+    credential = admin.add_tenant("hostile", weight=1.0, quota=4, budgets=HOSTILE_BUDGETS)
+    env = {**os.environ, "PATHWAYS_ADDRESS": session.address, "PATHWAYS_TENANT": "hostile",
+           "PATHWAYS_CREDENTIAL": credential}
+    victim = Victim()
+    victim.start()
+    time.sleep(5.0)  # the victim alone
+    abuses = [a for a in ABUSES if not (args.quick and a in ("ten programs of 131,072 ops",
+                                                              "a gigabyte of host memory"))]
+    results = []
+    for name in abuses:
+        victim.phase = name
+        started = time.monotonic()
+        result = run_abuse(name, env, session.client_id,
+                           lambda: admin.set_tenant("hostile", new_credential=True))
+        result["seconds"] = time.monotonic() - started
+        results.append(result)
+        print(f"{name}: {result['outcome']}", flush=True)
+    victim.phase = "after"
+    time.sleep(2.0)
+    victim.stop()
+    lost = victim.lost()
+    alone = median(victim.latency.get("alone", [])) * 1e3
+    table = Table(["abuse", "victim served", "victim latency median / worst (ms)", "outcome"])
+    served = total = 0
+    worst = 0.0
+    for r in results:
+        lat = victim.latency.get(r["abuse"], [])
+        failed = victim.failed.get(r["abuse"], 0)
+        served, total = served + len(lat), total + len(lat) + failed
+        worst = max([worst, *[v * 1e3 for v in lat]])
+        table.add(r["abuse"], f"{len(lat)}/{len(lat) + failed}",
+                  f"{median(lat) * 1e3:.0f} / {max(lat, default=0) * 1e3:.0f}" if lat else "-", r["outcome"][:70])
+    print(table.render())
+    pw.shutdown()
+    write_json(Path(args.out), {"alone_ms": alone, "worst_ms": worst, "served": served, "total": total,
+                                "lost": lost, "results": results,
+                                "latency_ms": {k: [x * 1e3 for x in v] for k, v in victim.latency.items()}})
+    print(f"hostile tenant: {len(results)} abuses, victim served {served}/{total}, worst victim latency "
+          f"{worst:.0f} ms (alone {alone:.0f} ms), lost {lost}")
+
+
+if __name__ == "__main__":
+    main()

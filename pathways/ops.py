@@ -566,6 +566,21 @@ class TemplateCache:
         self._decoded.pop(tenant, None)
 
 
+def declared_ops(blob: bytes) -> int:
+    """How many ops a template's bytes hold, counted without decoding them (skipping every other field): what
+    an island checks against the sender's ``program_ops`` budget before the costly decode. -1 if unreadable."""
+    try:
+        unpacker = wire.msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=len(blob) + 1)
+        unpacker.feed(blob)
+        for _ in range(unpacker.read_map_header()):
+            if unpacker.unpack() == "ops":
+                return unpacker.read_array_header()
+            unpacker.skip()
+    except Exception:  # not a map, or truncated: the full decode says what is wrong
+        return -1
+    return 0
+
+
 def declared_values(blob: bytes) -> int:
     """How many values a template says it has, even when it is otherwise malformed (1 when unreadable): the
     id range a refused call's outputs occupy."""

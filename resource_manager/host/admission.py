@@ -24,15 +24,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from pathways.budgets import over
-from pathways.errors import PathwaysError, ProgramError, ResourceError, TenantAccessError, WireFormatError, to_wire
+from pathways.errors import PathwaysError, ProgramError, TenantAccessError, WireFormatError, to_wire
 from pathways.messages import Call, Free, Put, Request, client_of, decode_request
-from pathways.ops import Exec, Limits, Template, TemplateCache, check_fits, declared_values
+from pathways.ops import Exec, Limits, Template, TemplateCache, check_fits, declared_ops, declared_values
 from resource_manager.host.buffers import Failure
 from resource_manager.host.executables import ExecutableCache
 from resource_manager.host.grants import Grants
 
 MAX_BATCH = 1 << 16
-MAX_OP_BYTES = 4096  # no op's wire form is larger (a send with many routes stays well below)
 log = logging.getLogger(__name__)
 
 
@@ -159,13 +158,10 @@ class Admission:
 
     def _check_call(self, client: int, tenant: str, call: Call) -> Template:
         budgets = self.grants.budgets(tenant)
-        if len(call.template) > budgets.program_ops * MAX_OP_BYTES:  # refused before the costly decode
-            raise ResourceError(f"over your program_ops budget: a program of {len(call.template)} bytes holds more "
-                                f"than {budgets.program_ops} ops; split it into smaller programs, or ask the cluster's "
-                                f"admin to raise it (pathways tenants set NAME --budget program_ops=N)")
+        ops = declared_ops(call.template)  # counted before the costly decode
+        if ops > budgets.program_ops:
+            raise over("program_ops", 0, ops, budgets.program_ops, "ops")
         template = self.templates.get(call.template, tenant, budgets.templates)
-        if len(template.ops) > budgets.program_ops:
-            raise over("program_ops", 0, len(template.ops), budgets.program_ops, "ops")
         self._own(client, [call.base, call.base + max(template.n_values - 1, 0)], "a call's output block")
         if len(call.inputs) != template.n_inputs:
             raise ProgramError(f"program {template.program!r} takes {template.n_inputs} inputs; the call names "

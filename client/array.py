@@ -97,7 +97,11 @@ class Array:
                 f"{what} {self._describe()}: it was donated to {self._donated} (donate_argnums/donate_argnames), "
                 "so its buffer was reused for that call's outputs. Use the outputs, or stop donating this argument")
         if self._session.closed:
-            raise PathwaysError(f"{self._describe()} belongs to a session that was shut down")
+            raise PathwaysError(
+                f"{what} a pw.Array {dtype_name(self.dtype)}{list(self.shape)} after pw.shutdown(): its buffers "
+                "were freed with the session that made it (arrays do not outlive their session). Fetch what you "
+                "need before pw.shutdown() (np.asarray(x), jax.device_get(tree)); a value fetched before stays "
+                "readable, and pw.put copies it into a new session")
         island = self.slice.island
         if island in self._session.dead:
             self._session.refresh(island)  # it may have restarted meanwhile, with empty buffers
@@ -125,13 +129,18 @@ class Array:
     def copy_to_host_async(self) -> None:
         """Start fetching the value without waiting (``jax.device_get`` calls this on every leaf first, so a
         tree of arrays is fetched in parallel)."""
+        if self._value is not None:
+            return
         self._check_live("fetching")
-        if self._value is None and self._refs is None:
+        if self._refs is None:
             self._refs, _ = self._send_fetch(None, ready_only=False)
 
     def fetch(self, timeout: float | None = None) -> Any:
         """The value as a read-only numpy array (a ``jax.Array`` of keys for a key array); blocks at most
-        ``timeout`` seconds (the session's fetch timeout by default). The value is kept: fetching again is free."""
+        ``timeout`` seconds (the session's fetch timeout by default). The value is kept: fetching again is free,
+        and works after ``pw.shutdown()``."""
+        if self._value is not None:
+            return self._value
         self._check_live("fetching")
         if self._value is None:
             if self._refs is not None:
@@ -151,8 +160,8 @@ class Array:
 
     def block_until_ready(self, timeout: float | None = None) -> Array:
         """Wait until the value is computed on the island, without moving it (as ``jax.Array.block_until_ready``)."""
-        self._check_live("waiting for")
         if self._value is None:
+            self._check_live("waiting for")
             refs, t = self._send_fetch(timeout, ready_only=True)
             self._wait(refs, t)
         return self
@@ -300,7 +309,10 @@ def check_usable(value: Array, what: str) -> None:
     """Raise unless ``value`` can be an argument: not donated, its session open, its slice not released."""
     value._check_live(what)
     if value.slice.released:
-        raise ProgramError(f"{value} lives on slice {value.slice.key}, which was released; its buffers are gone")
+        raise ProgramError(
+            f"{what} a pw.Array {dtype_name(value.dtype)}{list(value.shape)} on slice {value.slice.key}, which was "
+            "released: nothing runs on a released slice. The array stays fetchable until it is dropped; to "
+            "compute with it, fetch it and pw.put it on a live slice (or pw.transfer it before the release)")
 
 
 Piece = tuple[tuple[tuple[int, int], ...], np.ndarray]

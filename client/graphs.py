@@ -2,7 +2,9 @@
 
 The script runs as ``__main__`` (so it starts, uses and stops its own cluster as usual); the named
 ``@pw.program`` keeps the graph it traced most recently, which is printed as Graphviz text or written
-to a file (``.dot`` always; ``.svg``/``.png``/``.pdf`` with the optional graphviz extra).
+to a file (``.dot`` always; ``.svg``/``.png``/``.pdf`` with the optional graphviz extra and Graphviz's
+``dot`` program). What ``--out`` needs is checked before the script runs, so a missing renderer costs
+nothing and says how to get it.
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ import os
 import runpy
 import sys
 
-from client.jobs import CliError
 from client.program import ProgramFunction, recent_graph
+from client.secrets import CliError
+from pathways.graph import check_renderer
 
 
 def program_graph(target: str, out: str | None) -> str:
@@ -22,6 +25,11 @@ def program_graph(target: str, out: str | None) -> str:
         raise CliError(f"expected SCRIPT.py:FUNCTION, got {target!r}")
     if not os.path.isfile(path):
         raise CliError(f"no such script: {path}")
+    if out:
+        try:
+            check_renderer(out)
+        except (ValueError, ImportError, RuntimeError) as exc:
+            raise CliError(str(exc)) from None
     saved_argv = sys.argv
     sys.argv = [path]
     try:

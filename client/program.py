@@ -8,7 +8,10 @@ one-node program of this kind.
 
 from __future__ import annotations
 
+import inspect
 import time
+import warnings
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -21,12 +24,26 @@ from client.dispatch import dispatch
 from client.host_values import PYTHON_SCALARS, host_aval, is_host_value, is_key_dtype, key_info
 from client.session import current
 from client.slices import VirtualSlice
-from client.tracer import HostValue, InTrace, Trace, Traced, TracedValue, current_trace, enter, norm_spec, user_line
+from client.tracer import (
+    HostValue,
+    InTrace,
+    Trace,
+    Traced,
+    TracedValue,
+    arg_path,
+    current_trace,
+    enter,
+    norm_spec,
+    user_line,
+    user_stacklevel,
+)
 from pathways.errors import ProgramError
 from pathways.graph import Program
 from pathways.sharding import check_spec
 
 _recent: dict[str, Program] = {}  # each program name's latest graph, for `pathways graph` after a script ran
+TRACE_CACHE_SIZE = 64  # traced signatures a program keeps; the least recently used goes first
+SCALAR_RETRACES = 3  # distinct values of one Python-scalar argument that make a program warn (once)
 
 
 def recent_graph(name: str) -> Program | None:
@@ -41,15 +58,20 @@ class ProgramFunction:
     each pw.jit function that takes them, per its in_specs, on every call; small ones are cached by
     content); and other hashable values, which are static: the body sees them as they are, so Python
     control flow may depend on them, and each distinct value traces the program anew. Python scalars
-    are static in a program; a pw.jit function called alone takes them as (weakly typed) arrays.
+    are static in a program (a program warns once when one argument took ``SCALAR_RETRACES`` values:
+    pass ``np.float32(x)`` to send it as a value instead); a pw.jit function called alone takes them as
+    (weakly typed) arrays. The last ``TRACE_CACHE_SIZE`` (64) traced signatures are kept, least recently
+    used first out.
     """
 
     def __init__(self, fn: Callable, name: str | None = None, op_by_op: bool = False) -> None:
         self.fn = fn
         self.name = name or getattr(fn, "__name__", "program")
         self.op_by_op = op_by_op
-        self._cache: dict[Any, Traced] = {}
+        self._cache: OrderedDict[Any, Traced] = OrderedDict()
         self._last: Traced | None = None
+        self._scalars: dict[int, set] = {}  # leaf position -> Python-scalar values traced there (a few)
+        self._warned = False
 
     def _signature(self, args: tuple, kwargs: dict[str, Any]) -> tuple[list, Any, Any]:
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
@@ -109,14 +131,67 @@ class ProgramFunction:
         leaves, treedef, key = self._signature(args, kwargs)
         traced = self._cache.get(key)
         if traced is None:
+            self._count_scalars(leaves, args, kwargs)
             start = time.time()
             traced = self._trace(leaves, treedef)
             self._cache[key] = traced
+            if len(self._cache) > TRACE_CACHE_SIZE:
+                self._cache.popitem(last=False)
             self._last = traced
             _recent[self.name] = traced.program
             current().events.span(f"trace {self.name}", "trace", start, time.time(),
                                   nodes=len(traced.program.nodes))
+        else:
+            self._cache.move_to_end(key)
         return traced, leaves
+
+    def _count_scalars(self, leaves: list, args: tuple, kwargs: dict[str, Any]) -> None:
+        """Before a new trace: warn (once) if a Python-scalar argument keeps changing, which retraces the
+        program on every call."""
+        if self.op_by_op or self._warned:
+            return
+        for k, leaf in enumerate(leaves):
+            if type(leaf) not in (int, float, complex):  # a bool has two values: a flag, not a changing number
+                continue
+            seen = self._scalars.setdefault(k, set())
+            seen.add(leaf)
+            if len(seen) >= SCALAR_RETRACES:
+                self._warned = True
+                path = self._argument(jax.tree_util.tree_flatten_with_path((args, kwargs))[0][k][0])
+                kind = type(leaf).__name__
+                warnings.warn(
+                    f"@pw.program {self.name} was traced again for each new value of its Python {kind} argument "
+                    f"{path} ({', '.join(map(repr, sorted(seen, key=repr)))}): Python scalars are static in a "
+                    f"program, so each new value traces and lowers the whole program again. Pass it as a value "
+                    f"instead, e.g. np.{'float32' if kind != 'int' else 'int32'}({path}), which is sent with each "
+                    "call and traced once; keep a Python scalar only where the body's Python control flow "
+                    "depends on it", UserWarning, stacklevel=user_stacklevel())
+                return
+
+    def _argument(self, path: tuple) -> str:
+        """An argument as the user named it: 'lr', 'opts['lr']' (a positional one by its parameter's name)."""
+        text = arg_path(path)
+        index, rest = text[:len(text) - len(text.lstrip("0123456789"))], text.lstrip("0123456789")
+        if index:
+            try:
+                names = [k for k, p in inspect.signature(self.fn).parameters.items()
+                         if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+            except (TypeError, ValueError):
+                names = []
+            if int(index) < len(names):
+                return names[int(index)] + rest
+        return text
+
+    def _check_slices(self, traced: Traced) -> None:
+        """Refuse a call that would run on a released slice, naming the slice and what runs there."""
+        for key, (where, names) in traced.runs_on.items():
+            if where.released:
+                head = (f"{self.name} runs" if self.op_by_op
+                        else f"@pw.program {self.name} runs {', '.join(names)}")
+                raise ProgramError(
+                    f"{head} on slice {key} (island {where.island}), which was released: nothing runs on a "
+                    "released slice (arrays made there stay fetchable until dropped). Allocate a new slice and "
+                    "create the function on it: pw.jit(fn, slice=pw.slice(...)), or f.on(new_slice)")
 
     @property
     def last_graph(self) -> Program | None:
@@ -136,6 +211,7 @@ class ProgramFunction:
         if current_trace() is not None:
             return self.fn(*args, **kwargs)  # a program called from a program is inlined into the outer graph
         traced, leaves = self._traced(args, kwargs)
+        self._check_slices(traced)
         return dispatch(traced, leaves)
 
 

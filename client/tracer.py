@@ -68,6 +68,14 @@ def user_line() -> str:
     return f"{frame.f_code.co_filename}:{frame.f_lineno}: {code}"
 
 
+def user_stacklevel() -> int:
+    """The ``stacklevel`` at which a ``warnings.warn`` in the caller points at the user's line."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_OWN_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def norm_spec(spec: P) -> tuple:
     """A PartitionSpec as a hashable tuple without trailing None entries, so equal shardings compare equal."""
     try:
@@ -271,7 +279,10 @@ class Trace:
     def call(self, fn: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
         """A call of pw.jit function ``fn`` inside the body: a Compute node, with transfers of arguments that live on
         another slice or with another sharding; returns its outputs as TracedValues."""
-        bound = fn.bind(args, kwargs)
+        try:
+            bound = fn.bind(args, kwargs)
+        except ProgramError as exc:
+            raise ProgramError(f"{str(exc).rstrip('.')}, at {user_line()}") from None
         paths = jax.tree_util.tree_flatten_with_path((bound.dyn_args, bound.dyn_kwargs))[0]
         leaves = [self.operand(leaf, fn.name, f"argument {arg_path(path)}") for path, leaf in paths]
         slices = [leaf.slice for leaf in leaves if isinstance(leaf, TracedValue)]
@@ -279,7 +290,10 @@ class Trace:
             raise ProgramError(f"{fn.name} has no slice and no pw.Array argument to take one from, at "
                                f"{user_line()}; give pw.jit a slice (pw.jit(fn, slice=s))")
         target = fn.slice or slices[0]
-        exported = fn.export(target, bound, [leaf.aval for leaf in leaves])
+        try:  # a shape or sharding the function cannot take: the user's line says which call
+            exported = fn.export(target, bound, [leaf.aval for leaf in leaves])
+        except ProgramError as exc:
+            raise ProgramError(f"{str(exc).rstrip('.')}, at {user_line()}") from None
         self.exes[exported.exe] = exported.blob
         inputs = []
         for leaf, spec in zip(leaves, exported.in_specs):
@@ -393,6 +407,17 @@ class Traced:
     donated: dict[int, str]  # program input index -> the function it is donated to
     out_meta: list[tuple[KeyInfo | None, bool]]  # per output: key info, weak_type
     lowered: Any = None
+
+    @functools.cached_property
+    def runs_on(self) -> dict[str, tuple[Any, tuple[str, ...]]]:
+        """{slice key: (the slice, the functions that run or land there)}: what a call needs alive."""
+        out: dict[str, tuple[Any, tuple[str, ...]]] = {}
+        for node in self.program.nodes:
+            where = node.slice if isinstance(node, Compute) else node.target.slice
+            name = node.name if isinstance(node, Compute) else "a transfer"
+            names = out.get(where.key, (where, ()))[1]
+            out[where.key] = (where, names if name in names else (*names, name))
+        return out
 
     @property
     def returned(self) -> set[int]:

@@ -6,6 +6,8 @@ The graph is location-agnostic: it names virtual slices, not hosts. Lowering
 
 from __future__ import annotations
 
+import os
+import shutil
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -134,19 +136,20 @@ class Program:
 
     def save(self, path: str) -> str:
         """Write the graph: ``.dot`` as Graphviz text; ``.svg``/``.png``/``.pdf`` rendered with Graphviz
-        (``pip install pathways-ray[graph]`` plus the Graphviz binaries). Returns the path written."""
-        fmt = path.rsplit(".", 1)[-1].lower() if "." in path else ""
+        (``pip install 'pathways-ray[graph]'`` plus Graphviz's ``dot`` program). Returns the path written.
+
+        Raises:
+            ValueError: the suffix is none of those.
+            ImportError: rendering needs the graphviz Python package, which is not installed.
+            RuntimeError: rendering needs Graphviz's ``dot`` program, which is not on PATH.
+        """
+        fmt = check_renderer(path)
         if fmt == "dot":
             with open(path, "w") as f:
                 f.write(self.to_dot())
             return path
-        try:
-            import graphviz
-        except ImportError:
-            raise ImportError(f"rendering {path!r} needs the graphviz package: pip install 'pathways-ray[graph]' "
-                              "(and the Graphviz binaries, e.g. apt-get install graphviz); or save as .dot") from None
-        if fmt not in ("svg", "png", "pdf"):
-            raise ValueError(f"cannot tell the format of {path!r}; use .dot, .svg, .png or .pdf")
+        import graphviz
+
         data = graphviz.Source(self.to_dot()).pipe(format=fmt)
         with open(path, "wb") as f:
             f.write(data)
@@ -156,3 +159,32 @@ class Program:
         kinds = sum(isinstance(n, Compute) for n in self.nodes)
         return (f"Program({self.name!r}: {len(self.inputs)} inputs, {kinds} computations, "
                 f"{len(self.nodes) - kinds} transfers, {len(self.outputs)} outputs, islands {sorted(self.islands)})")
+
+
+RENDERED = ("svg", "png", "pdf")
+
+
+def check_renderer(path: str) -> str:
+    """The format ``path`` asks for (``dot``, or one of ``RENDERED``), once this machine is known to be able
+    to write it, so that a caller can check before it does any work.
+
+    Raises:
+        ValueError: the suffix is none of .dot, .svg, .png, .pdf.
+        ImportError: a rendered format needs the graphviz Python package, which is not installed.
+        RuntimeError: a rendered format needs Graphviz's ``dot`` program, which is not on PATH.
+    """
+    fmt = path.rsplit(".", 1)[-1].lower() if "." in os.path.basename(path) else ""
+    if fmt == "dot":
+        return fmt
+    if fmt not in RENDERED:
+        raise ValueError(f"cannot tell the format of {path!r}; use .dot, .svg, .png or .pdf")
+    try:
+        import graphviz  # noqa: F401
+    except ImportError:
+        raise ImportError(f"rendering {path} needs the graphviz Python package: pip install 'pathways-ray[graph]' "
+                          "(or write a .dot file, which needs nothing)") from None
+    if shutil.which("dot") is None:
+        raise RuntimeError(f"rendering {path} needs Graphviz's `dot` program, which is not on PATH: install "
+                           "Graphviz (apt install graphviz, brew install graphviz, or https://graphviz.org/download) "
+                           "(or write a .dot file, which needs nothing)")
+    return fmt

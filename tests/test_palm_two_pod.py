@@ -4,6 +4,7 @@ bitwise identical, the gradient exchange overlaps the backward pass, checkpoints
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import numpy as np
@@ -11,11 +12,12 @@ import pytest
 from conftest import lower_graph
 
 import pathways as pw
-from examples.palm import checkpoint, data, logs, model, optim
+from examples.palm import checkpoint, data, logs, model, optim, runs
+from examples.palm.checkpoint import RunFolderError
 from examples.palm.config import CONFIGS
 from examples.palm.spikes import SpikeDetector, SpikePolicy
 from examples.palm.step import TrainStep
-from examples.palm.train import TrainOptions, fetch_tree, parse_args, train
+from examples.palm.train import TrainOptions, fetch_tree, main, parse_args, parser, train
 
 TINY = CONFIGS["tiny"]
 OPT = optim.OptimConfig()
@@ -117,6 +119,77 @@ def test_resume_is_bit_exact(cluster, tmp_path):
     starts = [e for e in events if e["event"] == "start"]
     assert [s["resumed_from"] for s in starts] == [None, 3] and starts[1]["data_pos"] == 3
     assert [e["step"] for e in events if e["event"] == "step"] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_run_folder_holds_one_run(cluster, tmp_path, monkeypatch, capsys):
+    first = train(_opts(tmp_path, "run", steps=3))
+    folder = tmp_path / "run" / "checkpoints"
+    kept = {p.name: p.read_bytes() for p in folder.iterdir()}
+    newest = checkpoint.latest(str(folder))
+
+    def no_cluster(*args, **kwargs):
+        raise AssertionError("a refused run folder must not start a cluster")
+
+    monkeypatch.setattr(pw, "init", no_cluster)
+    command = ["--config", "tiny", "--batch", str(BATCH), "--out", str(tmp_path / "run"), "--no-progress"]
+    refusals = {
+        # the same folder, another seed and learning rate: another run, whose step 3 it must not continue
+        ("--resume", "--seed", "1", "--lr", "0.02"): (
+            f"--resume: {newest} (step 3) belongs to a run of another configuration: it was written with --lr 0.01, "
+            "--seed 0; this run asks for --lr 0.02, --seed 1. Resume with that run's options, or start this run in "
+            "another folder (--out) or over that one (--overwrite deletes its checkpoints)"),
+        # a fresh run where a run is: it would mix with it
+        (): (f"{folder} already holds checkpoints (steps 0 to 3) of an earlier run: pass --resume to continue it, "
+             "--overwrite to delete them and start over, or --out to start this run in another folder"),
+    }
+    for extra, said in refusals.items():
+        assert main([*command, *extra]) == 1
+        assert capsys.readouterr().err == f"error: {said}\n"
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == kept  # nothing touched
+    with pytest.raises(RunFolderError, match="no checkpoint under"):
+        train(_opts(tmp_path, "empty", resume=True))
+    monkeypatch.undo()
+
+    again = train(_opts(tmp_path, "run", steps=2, overwrite=True))  # starts over: the earlier run is gone
+    assert again.steps == 2 and checkpoint.steps(str(folder)) == [0, 2]
+    starts = [e for e in logs.read(str(tmp_path / "run" / "log.jsonl")) if e["event"] == "start"]
+    assert len(starts) == 1 and starts[0]["resumed_from"] is None
+    assert checkpoint.read_meta(again.final_checkpoint)["extra"]["run"]["id"] == starts[0]["run"]
+    assert first.final_checkpoint.endswith("ckpt_00000003.npz") and not os.path.exists(first.final_checkpoint)
+
+
+def test_a_folder_of_two_runs_or_of_unrecorded_checkpoints_is_not_resumed(tmp_path):
+    params, opt = {"w": np.zeros(2, np.float32)}, {"m": np.zeros(2, np.float32)}
+    config = TrainOptions(config="tiny").run_config
+    for step, run_id in ((3, "aaa"), (6, "bbb")):
+        checkpoint.save(str(tmp_path), checkpoint.Checkpoint(step, step, params, opt, {"run": {"id": run_id,
+                                                                                                **config}}))
+    assert runs.claim(str(tmp_path), config, resume=False, overwrite=True).deleted == (3, 6)
+    for step, run_id in ((3, "aaa"), (6, "bbb")):
+        checkpoint.save(str(tmp_path), checkpoint.Checkpoint(step, step, params, opt, {"run": {"id": run_id,
+                                                                                                **config}}))
+    with pytest.raises(RunFolderError, match="holds the checkpoints of 2 different runs"):
+        runs.claim(str(tmp_path), config, resume=True, overwrite=False)
+    checkpoint.save(str(tmp_path), checkpoint.Checkpoint(9, 9, params, opt, {"spike_history": []}))
+    with pytest.raises(RunFolderError, match="does not record the configuration it was written with"):
+        runs.claim(str(tmp_path), config, resume=True, overwrite=False)
+    other = TrainOptions(config="small").run_config
+    assert runs.differences(config, other) == [("--config", "tiny", "small")]  # not every shape of the model
+
+
+def test_every_option_says_what_it_does(capsys):
+    options = [a for a in parser()._actions if a.option_strings and a.dest != "help"]
+    assert len(options) > 20 and all(a.help and len(a.help) > 10 for a in options), \
+        [a.option_strings for a in options if not a.help]
+    with pytest.raises(SystemExit) as done:
+        parse_args(["--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    assert all(a.option_strings[0] in text for a in options)
+    assert "--seed SEED seed of the initial parameters and of the data order (default: 0)" in " ".join(text.split())
+    with pytest.raises(SystemExit):
+        parse_args(["--resume", "--overwrite"])
+    assert "pass one of them" in capsys.readouterr().err
 
 
 def test_spike_rolls_back_and_skips_batches(cluster, tmp_path):

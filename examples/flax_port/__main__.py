@@ -20,9 +20,11 @@ def main(argv: list[str] | None = None) -> int:
     changed, diff = changed_lines()
     print("\n".join(diff))
     print(f"\n{changed} code lines changed")
-    plain = jax_train.train(a.steps)
+    # The cluster starts first, as in a real port: Ray forks its daemons, and forking a process in which JAX
+    # already runs threads (the plain loop below) is what JAX warns about.
     pw.init(topology=pw.Topology(islands=1, hosts_per_island=1, devices_per_host=2))
     try:
+        plain = jax_train.train(a.steps)
         ported = pw_train.train(a.steps)
     finally:
         pw.shutdown()

@@ -34,6 +34,10 @@ class Checkpoint:
     extra: dict = field(default_factory=dict)  # JSON-able: the spike detector's history, the options used
 
 
+class RunFolderError(Exception):
+    """A run folder this run must not use as asked (another run's checkpoints); the message says what to do."""
+
+
 def path_for(directory: str, step: int) -> str:
     return os.path.join(directory, f"ckpt_{step:08d}.npz")
 
@@ -75,6 +79,12 @@ def load(path: str, params_like: Any, opt_like: Any) -> Checkpoint:
                              f"{np.dtype(want.dtype)}{list(np.shape(want))}; was it written for another config?")
     params, opt_state = jax.tree.unflatten(treedef, leaves)
     return Checkpoint(meta["step"], meta["data_pos"], params, opt_state, meta["extra"])
+
+
+def read_meta(path: str) -> dict:
+    """A checkpoint's step, data position and ``extra``, without reading its arrays."""
+    with np.load(path) as z:
+        return json.loads(bytes(z[_META]).decode())
 
 
 def steps(directory: str) -> list[int]:

@@ -7,7 +7,9 @@ Each pod is an island with a (2, 2) ("data", "model") slice; the step is one
 JSONL event log, checkpoints every ``--ckpt-every`` steps (atomic, with the
 optimizer state, step and data position), and a loss-curve PNG when
 matplotlib is installed. ``--resume`` continues bit-exactly from the newest
-checkpoint. A loss spike (above ``--spike-factor`` times the running median)
+checkpoint, which must be of this run's configuration; a fresh run refuses a
+folder that holds another run's checkpoints unless ``--overwrite`` says to
+delete them (examples/palm/runs.py). A loss spike (above ``--spike-factor`` times the running median)
 rolls back to the checkpoint about ``--rollback-steps`` earlier and skips
 ``--skip-batches`` batches, as PaLM did; ``--inject-spike-at`` blows up the
 parameters once to show it.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import statistics
 import sys
@@ -33,7 +36,8 @@ import numpy as np
 from tqdm import tqdm
 
 import pathways as pw
-from examples.palm import checkpoint, data, flops, logs, model, optim
+from examples.palm import checkpoint, data, flops, logs, model, optim, runs
+from examples.palm.checkpoint import RunFolderError
 from examples.palm.config import CONFIGS, PalmConfig
 from examples.palm.peak import pods_peak
 from examples.palm.spikes import SpikeDetector, SpikePolicy
@@ -60,6 +64,7 @@ class TrainOptions:
     out: str = "runs/palm"
     ckpt_every: int = 50
     resume: bool = False
+    overwrite: bool = False  # a fresh run deletes the checkpoints already in its folder (else it refuses them)
     spike: SpikePolicy = SpikePolicy()
     inject_spike_at: int | None = None
     peak_flops: float | None = None  # None: measure it on the pods (CPU) or use the datasheet (GPU)
@@ -77,10 +82,19 @@ class TrainOptions:
         for name in ("steps", "eval_every", "ckpt_every", "eval_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.resume and self.overwrite:
+            raise ValueError("--resume continues the run in --out and --overwrite deletes it: pass one of them")
 
     @property
     def model_config(self) -> PalmConfig:
         return CONFIGS[self.config]
+
+    @property
+    def run_config(self) -> dict:
+        """What decides the computation (as JSON values): a checkpoint written with another one is another run's."""
+        return json.loads(json.dumps({"config": self.config, "model": dataclasses.asdict(self.model_config),
+                                      "seed": self.seed, "batch": self.batch,
+                                      "optimizer": dataclasses.asdict(self.optimizer)}))
 
     @property
     def ckpt_dir(self) -> str:
@@ -128,8 +142,9 @@ def fetch_tree(tree: Any) -> Any:
 class Trainer:
     """One run: the pods' state, the data position, the spike detector, checkpoints and the log."""
 
-    def __init__(self, opts: TrainOptions) -> None:
+    def __init__(self, opts: TrainOptions, start: runs.Start) -> None:
         self.opts = opts
+        self.start = start
         self.config = opts.model_config
         self.slices = [pw.slice((2, 2), ("data", "model"), island=p) for p in range(opts.pods)]
         self.step_fn = TrainStep(self.config, opts.optimizer, self.slices, overlap=opts.overlap, donate=opts.donate)
@@ -154,11 +169,9 @@ class Trainer:
 
     # -- state on and off the pods ----------------------------------------------------------------
     def start_state(self) -> tuple[PodState, int, int, bool]:
-        """(state, step, data position, resumed) from the newest checkpoint, or fresh."""
-        path = checkpoint.latest(self.opts.ckpt_dir) if self.opts.resume else None
+        """(state, step, data position, resumed) from the checkpoint this run resumes, or fresh."""
+        path = self.start.resume_from
         if path is None:
-            if self.opts.resume:
-                raise FileNotFoundError(f"--resume: no checkpoint under {self.opts.ckpt_dir}")
             params, opt_state = self._templates
             state = self.step_fn.put_state(params, opt_state)
             self.save(state, 0, 0)
@@ -170,7 +183,7 @@ class Trainer:
     def save(self, state: PodState, step: int, data_pos: int) -> str:
         """Checkpoint pod 0's copy (every pod holds the same bits) and drop ones too old to roll back to."""
         params, opt_state = fetch_tree((state.params[0], state.opt_state[0]))
-        extra = {"spike_history": self.detector.state(), "config": self.opts.config, "seed": self.opts.seed}
+        extra = {"spike_history": self.detector.state(), "run": {"id": self.start.run_id, **self.opts.run_config}}
         path = checkpoint.save(self.opts.ckpt_dir, checkpoint.Checkpoint(step, data_pos, params, opt_state, extra))
         horizon = step - self.opts.spike.rollback_steps - self.opts.ckpt_every
         removed = checkpoint.remove(self.opts.ckpt_dir, lambda s: s >= horizon)
@@ -217,7 +230,7 @@ class Trainer:
             self.result.peak_flops, self.result.peak_source = peak, source
             self._say(f"peak: {peak / 1e9:.1f} GFLOP/s ({source})" if peak else f"peak: unknown ({source})")
             state, step, data_pos, resumed = self.start_state()
-            self.log.write("start", options=_jsonable(opts), n_params=config.n_params(),
+            self.log.write("start", run=self.start.run_id, options=_jsonable(opts), n_params=config.n_params(),
                            flops_per_token=config.flops_per_token(), peak_flops=peak, peak_source=source,
                            resumed_from=step if resumed else None, data_pos=data_pos)
             bar = tqdm(total=opts.steps, initial=step, disable=not opts.progress, dynamic_ncols=True,
@@ -332,56 +345,100 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def train(opts: TrainOptions) -> TrainResult:
-    """Run training on the current session (pw.init must have been called)."""
-    trainer = Trainer(opts)
+def claim_folder(opts: TrainOptions) -> runs.Start:
+    """Where this run starts in ``opts.out``; RunFolderError when the folder holds another run's checkpoints."""
+    start = runs.claim(opts.ckpt_dir, opts.run_config, opts.resume, opts.overwrite)
+    if start.deleted and opts.progress:
+        print(f"--overwrite: deleted {len(start.deleted)} checkpoint(s) of the earlier run in {opts.ckpt_dir} "
+              f"(steps {start.deleted[0]} to {start.deleted[-1]})", flush=True)
+    return start
+
+
+def train(opts: TrainOptions, start: runs.Start | None = None) -> TrainResult:
+    """Run training on the current session (pw.init must have been called), from ``start`` (default: where
+    ``claim_folder`` says)."""
+    trainer = Trainer(opts, start or claim_folder(opts))
     try:
         return trainer.run()
     finally:
         trainer.close()
 
 
-def parse_args(argv: list[str] | None = None) -> TrainOptions:
+class _Help(argparse.HelpFormatter):
+    """Each option's help, with its default where it has one (not for flags or options unset by default)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default not in (None, argparse.SUPPRESS) and action.default is not False and "%(default)" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command's options, each with its help and default."""
     d = TrainOptions()
     s = d.spike
-    p = argparse.ArgumentParser(prog="python -m examples.palm.train", description=__doc__.split("\n")[0])
-    p.add_argument("--config", default=d.config, choices=sorted(CONFIGS))
-    p.add_argument("--pods", type=int, default=d.pods, choices=(1, 2))
+    p = argparse.ArgumentParser(prog="python -m examples.palm.train", description=__doc__.split("\n")[0],
+                                formatter_class=_Help)
+    p.add_argument("--config", default=d.config, choices=sorted(CONFIGS),
+                   help="model size (examples/palm/config.py): tiny for tests, small for the CPU demo, "
+                        "350m and 1b for GPUs")
+    p.add_argument("--pods", type=int, default=d.pods, choices=(1, 2),
+                   help="pods (islands) to train on, data-parallel, with a (2, 2) data x model slice each")
     p.add_argument("--steps", type=int, default=d.steps, help="total updates, counting resumed ones")
     p.add_argument("--batch", type=int, default=d.batch, help="global batch in sequences, split over the pods")
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the initial parameters and of the data order")
     p.add_argument("--no-overlap", action="store_true",
                    help="exchange gradients after the whole backward (as PaLM did) instead of group by group")
     p.add_argument("--no-donate", action="store_true",
                    help="keep each step's input parameters and optimizer state (two copies on every pod)")
-    p.add_argument("--lr", type=float, default=d.optimizer.peak_lr)
+    p.add_argument("--lr", type=float, default=d.optimizer.peak_lr, help="peak learning rate")
     p.add_argument("--const-steps", type=int, default=d.optimizer.const_steps,
                    help="steps at the peak learning rate before the 1/sqrt(step) decay")
-    p.add_argument("--eval-every", type=int, default=d.eval_every)
-    p.add_argument("--eval-batches", type=int, default=d.eval_batches)
-    p.add_argument("--out", default=None, help="run directory (default runs/palm_<config>_<pods>pod)")
-    p.add_argument("--ckpt-every", type=int, default=d.ckpt_every)
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint under --out")
+    p.add_argument("--eval-every", type=int, default=d.eval_every,
+                   help="evaluate on held-out batches every this many steps (and at the end)")
+    p.add_argument("--eval-batches", type=int, default=d.eval_batches, help="held-out batches per evaluation")
+    p.add_argument("--out", default=None,
+                   help="run folder for the log, checkpoints and loss plot (default: runs/palm_<config>_<pods>pod)")
+    p.add_argument("--ckpt-every", type=int, default=d.ckpt_every, help="write a checkpoint every this many steps")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --out from its newest checkpoint (refused if that checkpoint was "
+                        "written with another --config, --seed, --batch or optimizer)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start afresh in an --out that holds an earlier run's checkpoints, deleting them "
+                        "(without it such a folder is refused)")
     p.add_argument("--spike-factor", type=float, default=s.factor, help="spike: loss > factor x running median")
     p.add_argument("--spike-window", type=int, default=s.window, help="losses in the running median")
     p.add_argument("--rollback-steps", type=int, default=s.rollback_steps, help="M: roll back about M steps")
     p.add_argument("--skip-batches", type=int, default=s.skip_batches, help="B: then skip B batches")
-    p.add_argument("--max-rollbacks", type=int, default=s.max_rollbacks)
+    p.add_argument("--max-rollbacks", type=int, default=s.max_rollbacks,
+                   help="give up (an error) after this many rollbacks instead of looping on a run that keeps spiking")
     p.add_argument("--inject-spike-at", type=int, default=None,
                    help="scale the embedding by 100 before this step (once) to see a spike and its rollback")
-    p.add_argument("--peak-flops", type=float, default=None, help="skip measuring the peak; use this FLOP/s")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--peak-flops", type=float, default=None,
+                   help="the devices' peak FLOP/s for MFU (default: measured on the pods, or the GPU's datasheet)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> TrainOptions:
+    """TrainOptions from the command line."""
+    d = TrainOptions()
+    p = parser()
     a = p.parse_args(argv)
-    return TrainOptions(
-        config=a.config, pods=a.pods, steps=a.steps, batch=a.batch, seed=a.seed, overlap=not a.no_overlap,
-        donate=not a.no_donate,
-        optimizer=dataclasses.replace(d.optimizer, peak_lr=a.lr, const_steps=a.const_steps),
-        eval_every=a.eval_every, eval_batches=a.eval_batches,
-        out=a.out or os.path.join("runs", f"palm_{a.config}_{a.pods}pod"), ckpt_every=a.ckpt_every,
-        resume=a.resume,
-        spike=SpikePolicy(factor=a.spike_factor, window=a.spike_window, rollback_steps=a.rollback_steps,
-                          skip_batches=a.skip_batches, max_rollbacks=a.max_rollbacks),
-        inject_spike_at=a.inject_spike_at, peak_flops=a.peak_flops, progress=not a.no_progress)
+    try:
+        return TrainOptions(
+            config=a.config, pods=a.pods, steps=a.steps, batch=a.batch, seed=a.seed, overlap=not a.no_overlap,
+            donate=not a.no_donate,
+            optimizer=dataclasses.replace(d.optimizer, peak_lr=a.lr, const_steps=a.const_steps),
+            eval_every=a.eval_every, eval_batches=a.eval_batches,
+            out=a.out or os.path.join("runs", f"palm_{a.config}_{a.pods}pod"), ckpt_every=a.ckpt_every,
+            resume=a.resume, overwrite=a.overwrite,
+            spike=SpikePolicy(factor=a.spike_factor, window=a.spike_window, rollback_steps=a.rollback_steps,
+                              skip_batches=a.skip_batches, max_rollbacks=a.max_rollbacks),
+            inject_spike_at=a.inject_spike_at, peak_flops=a.peak_flops, progress=not a.no_progress)
+    except ValueError as exc:
+        p.error(str(exc))
 
 
 def report(opts: TrainOptions, result: TrainResult) -> str:
@@ -406,10 +463,15 @@ def report(opts: TrainOptions, result: TrainResult) -> str:
 def main(argv: list[str] | None = None) -> int:
     opts = parse_args(argv)
     started = time.perf_counter()
+    try:  # before the cluster starts: a refused folder costs nothing
+        start = claim_folder(opts)
+    except RunFolderError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     pw.init(topology=pw.Topology(islands=opts.pods, hosts_per_island=1, devices_per_host=DEVICES_PER_POD))
     print(f"cluster up in {time.perf_counter() - started:.1f} s", flush=True)
     try:
-        result = train(opts)
+        result = train(opts, start)
     finally:
         pw.shutdown()
     print(report(opts, result))

@@ -243,6 +243,10 @@ class CompiledFunction:
               for k in dyn_kwargs}
         return list(specs[:len(dyn_pos)]), kw
 
+    def out_prefix(self, bound: Bound) -> Any:
+        """The PartitionSpec prefix of this call's outputs (``out_specs``; replicated by default)."""
+        return P() if self.out_specs is None else self.out_specs
+
     # -- export -------------------------------------------------------------------------------------
     def export(self, slice: VirtualSlice, bound: Bound, avals: list[Aval]) -> ExportedCall:  # noqa: A002
         """The StableHLO of this function for ``slice``'s mesh and these argument avals (cached)."""
@@ -272,8 +276,7 @@ class CompiledFunction:
             sig = ", ".join(f"{dtype_name(d)}{list(s)}" for s, d, _ in avals)
             raise ProgramError(f"{self.name} cannot run on arguments ({sig}): {type(exc).__name__}: {exc}") from None
         out_leaves, out_tree = jax.tree_util.tree_flatten(out_shape)
-        out_specs = broadcast_specs(P() if self.out_specs is None else self.out_specs, out_shape,
-                                    f"{self.name}: out_specs")
+        out_specs = broadcast_specs(self.out_prefix(bound), out_shape, f"{self.name}: out_specs")
         for k, (leaf, spec) in enumerate(zip(out_leaves, out_specs)):
             check_spec(spec, leaf.shape, slice.shape, slice.axis_names, f"{self.name}: output {k}")
         out_keys = tuple(key_info(o.dtype) if is_key_dtype(o.dtype) else None for o in out_leaves)

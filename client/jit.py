@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from client import tracer
+from client.aot import Lowered, lower
 from client.host_values import KeyInfo, broadcast_specs, dtype_name, is_key_dtype, key_info, physical
 from client.program import ProgramFunction
 from client.slices import VirtualSlice
@@ -310,6 +311,15 @@ class CompiledFunction:
 
             self._single = ProgramFunction(one, name=self.name, op_by_op=True)
         return self._single(statics, *dyn_args, **dyn_kwargs)
+
+    def lower(self, *args: Any, **kwargs: Any) -> Lowered:
+        """Export for these arguments without running anything, as ``jax.jit(f).lower(*args)``.
+
+        Arguments are what a call takes (pw.Arrays, host values, static values) or ``jax.ShapeDtypeStruct``
+        s. The result has ``as_text()`` (the StableHLO the hosts compile) and ``compile()``, whose result
+        runs like this function for arguments of the same signature and carries ``cost_analysis()`` and
+        ``memory_analysis()`` (see ``client.aot``)."""
+        return lower(self, args, kwargs)
 
     def __repr__(self) -> str:
         where = f"slice {self.slice.key}" if self.slice is not None else "the slice of its first argument"

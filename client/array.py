@@ -191,6 +191,23 @@ class Array(LocalArrayMethods):
             return value.astype(dtype)
         return value.copy() if copy else value
 
+    def __setitem__(self, index: Any, value: Any) -> None:
+        """Replace the value on the island in place, as for a numpy array (Flax writes a Variable's value so:
+        ``metrics.reset()``), where a ``jax.Array`` refuses it. ``x[...] = v`` needs no fetch; another index
+        fetches ``x`` and sends the updated whole."""
+        self._check_live("assigning to")
+        if index is Ellipsis:
+            new = jax.numpy.broadcast_to(jax.numpy.asarray(value, dtype=self.dtype), self.shape)
+        else:
+            new = self.__jax_array__().at[index].set(value)
+        replacement = put_host(self._session, as_host_data(new, f"{self._describe()}[...] ="), self.slice,
+                               self.spec, "item assignment")
+        if not self._session.closed:
+            self._session.frees.add(self.slice.island, self.id)  # ordered after every program that read it
+        self.id, self.epoch, self.islands = replacement.id, replacement.epoch, replacement.islands
+        self._value = self._local = self._refs = None
+        replacement._donated = f"the pw.Array it was assigned to (buffer {self.id})"  # its buffer is ours now
+
     def _scalar(self, what: str) -> Any:
         if self.shape != ():
             raise TypeError(f"only 0-d arrays convert to a Python {what}; this pw.Array has shape {self.shape}")

@@ -112,7 +112,9 @@ class FilteredFunction:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         held_args, held_kwargs = _hold((args, kwargs))
         try:
-            hash(jax.tree.structure((held_args, held_kwargs)))
+            for leaf in jax.tree.leaves((held_args, held_kwargs), is_leaf=lambda x: isinstance(x, Static)):
+                if isinstance(leaf, Static):
+                    hash(leaf)
         except TypeError as exc:
             raise ProgramError(f"{self.name}: a non-array argument is not hashable ({exc}); pw.filter_jit, as "
                                "eqx.filter_jit, holds non-array leaves static, so they must be hashable") from None

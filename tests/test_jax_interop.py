@@ -112,3 +112,14 @@ def test_tree_util_over_trees_of_pw_arrays(s):
         same(got, want)
     same(optax.tree.norm(remote), optax.tree.norm(local))
     assert jax.tree_util.tree_reduce(lambda a, b: a + b.size, remote, 0) == 9
+
+
+def test_item_assignment_replaces_the_value_on_the_island(s):
+    x = pw.put(np.arange(4, dtype=np.float32), s, P("data"))
+    seen = pw.jit(lambda v: v * 1.0, slice=s)(x)  # a program that read the old value
+    x[...] = 0.0
+    np.testing.assert_array_equal(np.asarray(x), np.zeros(4))
+    x[1] = 5.0
+    np.testing.assert_array_equal(np.asarray(pw.jit(lambda v: v + 1, slice=s, in_specs=P("data"))(x)), [1, 6, 1, 1])
+    np.testing.assert_array_equal(np.asarray(seen), np.arange(4))  # what was computed before is kept
+    assert x.spec == P("data") and x.slice is s

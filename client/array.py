@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from client.host_values import HostData, KeyInfo, as_host_data, broadcast_specs, dtype_name, physical
+from client.interop import LocalArrayMethods, asked_by_jax, called_by_device_get, local_value, register
 from client.session import Session, current
 from client.slices import VirtualSlice
 from pathways.errors import IslandFailedError, PathwaysError, ProgramError
@@ -27,7 +28,7 @@ from pathways.requests import Fetch, PutData
 from pathways.sharding import check_spec, device_indices, spec_to_wire
 
 
-class Array:
+class Array(LocalArrayMethods):
     """A future for an array on a virtual slice, sharded by ``spec``.
 
     It behaves like a read-only ``jax.Array`` where that makes sense without
@@ -35,12 +36,15 @@ class Array:
     ``sharding`` and ``weak_type`` are known at once; ``np.asarray(x)``,
     ``jax.device_get(x)``, ``float(x)``/``int(x)``/``bool(x)`` (0-d arrays)
     fetch the value. A typed PRNG key array keeps its key dtype and fetches as
-    a ``jax.Array`` of keys. An array donated to a ``pw.jit`` function (see
-    ``donate_argnums``) is gone: any later use raises ``ProgramError``.
+    a ``jax.Array`` of keys. Where JAX code in the client takes a ``jax.Array``
+    (``jnp`` functions, operators, ``jax.jit``, ``f"{x:.3f}"``), the value is
+    fetched once and used as a local ``jax.Array`` (``client.interop``). An array
+    donated to a ``pw.jit`` function (see ``donate_argnums``) is gone: any later
+    use raises ``ProgramError``.
     """
 
     __slots__ = ("id", "shape", "dtype", "slice", "spec", "islands", "weak_type", "epoch", "_key", "_session",
-                 "_value", "_refs", "_donated", "__weakref__")
+                 "_value", "_local", "_refs", "_donated", "__weakref__")
 
     def __init__(self, session: Session, buffer_id: int, shape: tuple[int, ...], dtype: Any,
                  slice: VirtualSlice, spec: P, islands: frozenset[int], *,  # noqa: A002
@@ -57,6 +61,7 @@ class Array:
         self.weak_type = weak_type
         self._key = key
         self._value: Any = None
+        self._local: jax.Array | None = None  # the value as a local jax.Array, once JAX code in the client used it
         self._refs: list | None = None  # fetch requests already sent (copy_to_host_async)
         self._donated: str | None = None  # the function it was donated to
 
@@ -83,8 +88,12 @@ class Array:
         return physical(self.shape, self.dtype)
 
     @property
-    def sharding(self) -> NamedSharding:
-        """A ``NamedSharding`` of ``spec`` over the slice's abstract mesh (axis names and sizes, no devices)."""
+    def sharding(self) -> NamedSharding | None:
+        """A ``NamedSharding`` of ``spec`` over the slice's abstract mesh (axis names and sizes, no devices).
+
+        JAX's own code, placing the array as an argument, sees None: it computes with the local copy."""
+        if asked_by_jax():
+            return None
         return NamedSharding(self.slice.abstract_mesh(), self.spec)
 
     def is_deleted(self) -> bool:
@@ -166,13 +175,40 @@ class Array:
             self._wait(refs, t)
         return self
 
+    def __jax_array__(self) -> jax.Array:
+        """The value as a local ``jax.Array`` (fetched once, then kept): what ``jnp`` functions, operators and
+        ``jax.jit`` in the client compute with."""
+        if self._local is None:
+            value = self.fetch()
+            self._local = value if self._key is not None else local_value(value, self.weak_type)
+        return self._local
+
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         value = self.fetch()
         if self._key is not None:
+            if called_by_device_get():
+                return value  # jax.device_get gives a key array back as keys, as for a jax.Array of keys
             return np.asarray(value)  # raises JAX's TypeError, as np.asarray(jax.random.key(0)) does
         if dtype is not None and np.dtype(dtype) != value.dtype:
             return value.astype(dtype)
         return value.copy() if copy else value
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        """Replace the value on the island in place, as for a numpy array (Flax writes a Variable's value so:
+        ``metrics.reset()``), where a ``jax.Array`` refuses it. ``x[...] = v`` needs no fetch; another index
+        fetches ``x`` and sends the updated whole."""
+        self._check_live("assigning to")
+        if index is Ellipsis:
+            new = jax.numpy.broadcast_to(jax.numpy.asarray(value, dtype=self.dtype), self.shape)
+        else:
+            new = self.__jax_array__().at[index].set(value)
+        replacement = put_host(self._session, as_host_data(new, f"{self._describe()}[...] ="), self.slice,
+                               self.spec, "item assignment")
+        if not self._session.closed:
+            self._session.frees.add(self.slice.island, self.id)  # ordered after every program that read it
+        self.id, self.epoch, self.islands = replacement.id, replacement.epoch, replacement.islands
+        self._value = self._local = self._refs = None
+        replacement._donated = f"the pw.Array it was assigned to (buffer {self.id})"  # its buffer is ours now
 
     def _scalar(self, what: str) -> Any:
         if self.shape != ():
@@ -221,7 +257,7 @@ class Array:
         donate it, after the call) and refuse every later use."""
         if self._donated is None:
             self._donated = to
-            self._value = None
+            self._value = self._local = None
             if not self._session.closed:
                 self._session.frees.add(self.slice.island, self.id)
 
@@ -233,6 +269,9 @@ class Array:
             body = np.array2string(self._value, separator=", ", prefix="pw.Array(", threshold=40)
             return f"pw.Array({body}, dtype={dtype_name(self.dtype)}, {where})"
         return f"pw.Array({dtype_name(self.dtype)}{list(self.shape)}, {where})"
+
+
+register(Array)
 
 
 def _check_slice(slice: Any, what: str) -> None:  # noqa: A002

@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from client import tracer
+from client.aot import Lowered, lower
 from client.host_values import KeyInfo, broadcast_specs, dtype_name, is_key_dtype, key_info, physical
 from client.program import ProgramFunction
 from client.slices import VirtualSlice
@@ -243,6 +244,10 @@ class CompiledFunction:
               for k in dyn_kwargs}
         return list(specs[:len(dyn_pos)]), kw
 
+    def out_prefix(self, bound: Bound) -> Any:
+        """The PartitionSpec prefix of this call's outputs (``out_specs``; replicated by default)."""
+        return P() if self.out_specs is None else self.out_specs
+
     # -- export -------------------------------------------------------------------------------------
     def export(self, slice: VirtualSlice, bound: Bound, avals: list[Aval]) -> ExportedCall:  # noqa: A002
         """The StableHLO of this function for ``slice``'s mesh and these argument avals (cached)."""
@@ -272,8 +277,7 @@ class CompiledFunction:
             sig = ", ".join(f"{dtype_name(d)}{list(s)}" for s, d, _ in avals)
             raise ProgramError(f"{self.name} cannot run on arguments ({sig}): {type(exc).__name__}: {exc}") from None
         out_leaves, out_tree = jax.tree_util.tree_flatten(out_shape)
-        out_specs = broadcast_specs(P() if self.out_specs is None else self.out_specs, out_shape,
-                                    f"{self.name}: out_specs")
+        out_specs = broadcast_specs(self.out_prefix(bound), out_shape, f"{self.name}: out_specs")
         for k, (leaf, spec) in enumerate(zip(out_leaves, out_specs)):
             check_spec(spec, leaf.shape, slice.shape, slice.axis_names, f"{self.name}: output {k}")
         out_keys = tuple(key_info(o.dtype) if is_key_dtype(o.dtype) else None for o in out_leaves)
@@ -307,6 +311,15 @@ class CompiledFunction:
 
             self._single = ProgramFunction(one, name=self.name, op_by_op=True)
         return self._single(statics, *dyn_args, **dyn_kwargs)
+
+    def lower(self, *args: Any, **kwargs: Any) -> Lowered:
+        """Export for these arguments without running anything, as ``jax.jit(f).lower(*args)``.
+
+        Arguments are what a call takes (pw.Arrays, host values, static values) or ``jax.ShapeDtypeStruct``
+        s. The result has ``as_text()`` (the StableHLO the hosts compile) and ``compile()``, whose result
+        runs like this function for arguments of the same signature and carries ``cost_analysis()`` and
+        ``memory_analysis()`` (see ``client.aot``)."""
+        return lower(self, args, kwargs)
 
     def __repr__(self) -> str:
         where = f"slice {self.slice.key}" if self.slice is not None else "the slice of its first argument"

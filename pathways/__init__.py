@@ -37,6 +37,7 @@ _LAZY = {
     "put": "client.array",
     "CompiledFunction": "client.jit",
     "jit": "client.jit",
+    "filter_jit": "client.filter",
     "trace": "client.profiler",
     "Timeouts": "client.runtime",
     "init": "client.session",
@@ -49,14 +50,13 @@ _LAZY = {
     "transfer": "client.program",
     "status": "client.status",
 }
-_MODULES = {"pipeline": "client.pipeline"}
+_MODULES = {"nnx": "client.nnx", "pipeline": "client.pipeline"}
 
 __all__ = [
     "Admin", "Array", "ClusterStatus", "CompiledFunction", "IslandFailedError", "PathwaysError", "Program",
-    "ProgramError",
-    "ProgramFunction", "ResourceError", "TenantAccessError", "Timeouts", "Topology", "VirtualSlice",
-    "WireFormatError", "admin", "init", "jit", "pipeline", "program", "put", "release", "shutdown", "slice", "status",
-    "trace", "transfer",
+    "ProgramError", "ProgramFunction", "ResourceError", "TenantAccessError", "Timeouts", "Topology", "VirtualSlice",
+    "WireFormatError", "admin", "filter_jit", "init", "jit", "nnx", "pipeline", "program", "put", "release",
+    "shutdown", "slice", "status", "trace", "transfer",
 ]
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,6 +23,7 @@ from pathways.protocol.handshake import HandshakeError, Identity
 
 MAX_HANDSHAKES = 32  # connections still proving themselves, from anyone
 MAX_ANONYMOUS = 64  # connections without a session yet (the resource manager's), from anyone
+LOG_EVERY_S = 60.0
 log = logging.getLogger(__name__)
 
 
@@ -73,6 +75,7 @@ class Endpoint:
         self._open: dict[str, set[Connection]] = {}  # tenant ("" for anonymous) -> its open connections
         self.refused = 0
         self.served = 0
+        self._said: dict[str, float] = {}
         self._closed = False
         threading.Thread(target=self._accept, name=f"{name}-accept", daemon=True).start()
 
@@ -128,8 +131,11 @@ class Endpoint:
                 held.add(conn)
         if not ok:
             self.refused += 1
-            log.warning("%s refused a connection%s: over the limit of %d open connections", self._name,
-                        f" of tenant {tenant}" if tenant else " without a session", limit)
+            now = time.monotonic()
+            if now - self._said.get(tenant, -LOG_EVERY_S) >= LOG_EVERY_S:  # said once a minute, not per connection
+                self._said[tenant] = now
+                log.warning("%s refused a connection%s: over the limit of %d open connections (said once a "
+                            "minute)", self._name, f" of tenant {tenant}" if tenant else " without a session", limit)
             conn.close()
         return ok
 

@@ -73,6 +73,17 @@ def check_job_user(user: str | None) -> pwd.struct_passwd | None:
     if entry.pw_uid == os.geteuid():
         raise ResourceError(f"--job-user {user} is the user the runtime runs as; jobs would read the runtime's files "
                             "(Ray's token among them). Name a dedicated user")
+    try:
+        probe = subprocess.run([sys.executable, "-c", "import pathways"], user=entry.pw_uid, group=entry.pw_gid,
+                               extra_groups=[], cwd="/", env={"PATH": "/usr/bin:/bin"}, capture_output=True,
+                               text=True, timeout=60)
+        failed = probe.returncode != 0 and (probe.stderr.strip().splitlines() or ["no output"])[-1]
+    except OSError as exc:
+        failed = exc.strerror or str(exc)
+    if failed:
+        raise ResourceError(f"--job-user {user} cannot run the runtime's Python ({sys.executable}: {failed}); a "
+                            f"folder on its way is probably closed to {user} (a home folder of mode 0700). Install "
+                            f"the runtime where {user} can run it, or let {user} through those folders")
     return entry
 
 

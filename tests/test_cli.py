@@ -129,11 +129,33 @@ def workdir(tmp_path_factory):
     return workdir
 
 
+JOB_USER = "nobody"
+
+
 @pytest.fixture(scope="module")
-def pw_cli(tmp_path_factory, workdir):
+def job_user():
+    """The OS user jobs run as (where this suite runs as root, as CI does): ``nobody``, who must be able to run
+    this Python; the folders on its way are opened for traversal (not listing) for the module, then closed."""
+    if os.geteuid() != 0:
+        yield None
+        return
+    opened = []
+    for folder in Path(sys.executable).resolve().parents:
+        mode_now = stat.S_IMODE(folder.stat().st_mode)
+        if not mode_now & stat.S_IXOTH:
+            folder.chmod(mode_now | stat.S_IXOTH)
+            opened.append((folder, mode_now))
+    yield JOB_USER
+    for folder, mode_before in opened:
+        folder.chmod(mode_before)
+
+
+@pytest.fixture(scope="module")
+def pw_cli(tmp_path_factory, workdir, job_user):
     """The cluster the tests of this module share; each test leaves it as it found it: up, with a runtime."""
     run = Cli(tmp_path_factory.mktemp("pathways-home"), workdir, tmp_path_factory.mktemp("pathways-tmp"))
-    run.up_out = run.up().stdout
+    run.job_user = job_user
+    run.up_out = run.up(*(["--job-user", job_user] if job_user else [])).stdout
     yield run
     stop_head_of(run)
 
@@ -238,6 +260,38 @@ def test_a_job_holds_a_ticket_and_the_address_and_nothing_else(tenants, alice_jo
     assert "SECOND TenantAccessError" in out and "ticket" in out.split("SECOND")[-1], out
     for secret in (tenants.credential("alice"), (tenants.home / "admin.token").read_text().strip()):
         assert secret not in out
+
+
+def test_a_job_running_as_the_job_user_cannot_reach_ray(tenants, workdir):
+    """A tenant's job, knowing the Ray cluster's address as an attacker would, can neither attach to it nor read
+    Ray's token; the runtime it reaches through its address works."""
+    if tenants.job_user is None:
+        pytest.skip("starting jobs as another OS user needs the runtime to run as root")
+    (workdir / "probe.py").write_text(textwrap.dedent("""
+        import getpass, os, sys
+        import numpy as np
+        import pathways as pw
+        print("USER", getpass.getuser())
+        try:
+            open(sys.argv[2]).read()
+            print("TOKEN readable")
+        except OSError as exc:
+            print("TOKEN", type(exc).__name__)
+        import ray
+        try:
+            ray.init(address=sys.argv[1], logging_level="ERROR")
+            rm = ray.get_actor("resource_manager", namespace="pathways")
+            print("RAY", ray.get(rm.ready.remote(b"x" * 32), timeout=20))
+        except Exception as exc:
+            print("RAY refused", type(exc).__name__)
+        pw.init()
+        s = pw.slice((1,), ("x",))
+        print("PATHWAYS", float(pw.jit(lambda v: v.sum(), slice=s)(pw.put(np.ones(3, np.float32), s)).fetch()))
+    """))
+    out = tenants("submit", "--wait", "--", "python", "probe.py", tenants.state()["ray_address"],
+                  str(head.ray_token_path()), env=tenants.alice, timeout=240).stdout
+    assert f"USER {JOB_USER}" in out and "TOKEN PermissionError" in out, out
+    assert "RAY refused" in out and "PATHWAYS 3.0" in out, out
 
 
 def test_stop_and_logs_only_on_your_own_jobs(tenants, alice_job):

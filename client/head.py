@@ -4,7 +4,7 @@
 that head's process id and temp dir, so ``down`` stops exactly that head and never another engineer's Ray.
 The record is written the moment the head's process exists (phase ``starting``), so an ``up`` that was
 interrupted (Ctrl-C, a closed pipe, a kill) leaves what ``down`` needs to find and stop what it started.
-The runtime's address also goes to ``/tmp/pathways/current`` (world-readable, like Ray's own
+The runtime's address also goes to ``/tmp/pathways-runtime/current`` (world-readable, like Ray's own
 ``ray_current_cluster``), where a bare ``pw.init()`` on this machine finds it.
 """
 
@@ -82,7 +82,7 @@ def clear_state() -> None:
 
 
 def publish(address: str) -> None:
-    """Tell this machine's clients where the runtime is (``/tmp/pathways/current``, world-readable)."""
+    """Tell this machine's clients where the runtime is (``/tmp/pathways-runtime/current``, world-readable)."""
     path = current_file()
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -96,7 +96,7 @@ def publish(address: str) -> None:
 
 
 def unpublish(address: str | None) -> None:
-    """Remove ``/tmp/pathways/current`` if it names ``address`` (a runtime that is going away)."""
+    """Remove ``/tmp/pathways-runtime/current`` if it names ``address`` (a runtime that is going away)."""
     path = current_file()
     try:
         if address and path.read_text().strip() == address:

@@ -2,7 +2,7 @@
 
 A client attaches to the runtime's address, ``pathways://HOST:PORT``: the one given to ``pw.init``, else
 ``PATHWAYS_ADDRESS``, else the one saved by ``pathways login``, else (for a ``pw.init()`` that asks for no
-topology of its own) the runtime ``pathways up`` started on this machine (``/tmp/pathways/current``, when
+topology of its own) the runtime ``pathways up`` started on this machine (``/tmp/pathways-runtime/current``, when
 something answers there). With none of these, ``pw.init()`` starts an
 embedded local cluster: a child process (``python -m resource_manager.launch embedded``) that starts Ray and
 the runtime, and lives exactly as long as this client (it stops when its stdin closes, which happens when this
@@ -55,8 +55,8 @@ class Timeouts:
 
 def current_file() -> Path:
     """Where ``pathways up`` publishes this machine's runtime: ``$PATHWAYS_TMPDIR/current`` (default
-    ``/tmp/pathways/current``)."""
-    return Path(os.environ.get(TMPDIR_ENV) or "/tmp/pathways") / CURRENT_FILE
+    ``/tmp/pathways-runtime/current``)."""
+    return Path(os.environ.get(TMPDIR_ENV) or "/tmp/pathways-runtime") / CURRENT_FILE
 
 
 def home() -> Path:

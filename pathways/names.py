@@ -8,7 +8,9 @@ CREDENTIAL_ENV = "PATHWAYS_CREDENTIAL"
 TICKET_FD_ENV = "PATHWAYS_TICKET_FD"  # a job's inherited pipe holding its single-use ticket
 JOB_ENV = "PATHWAYS_JOB"  # the id of the job a process runs as
 HOME_ENV = "PATHWAYS_HOME"  # where the command and pw.init keep state and credentials (default ~/.pathways)
-TMPDIR_ENV = "PATHWAYS_TMPDIR"  # where this machine's runtime publishes its address (default /tmp/pathways)
+# where this machine's runtime publishes its address (default /tmp/pathways-runtime: a name that no script run
+# from /tmp could mistake for the package)
+TMPDIR_ENV = "PATHWAYS_TMPDIR"
 
 # -- files ----------------------------------------------------------------------------------------------------
 LOGIN_FILE = "login.json"  # under $PATHWAYS_HOME: a tenant's address, name and credential (`pathways login`)

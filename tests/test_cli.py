@@ -368,3 +368,47 @@ def test_up_after_down_succeeds_at_once_five_times_and_an_interrupted_up_is_clea
         run("down", timeout=90)
     finally:
         stop_head_of(run)
+
+
+def readme_block(heading: str, index: int) -> list[str]:
+    """The commands of the ``index``-th bash block under ``heading`` in the README (comments dropped)."""
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = text.split(f"\n{heading}\n", 1)[1].split("\n## ", 1)[0]
+    block = section.split("```bash\n")[1 + index].split("```", 1)[0]
+    return [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
+
+
+def test_the_readmes_shared_cluster_commands_work_as_written(tmp_path):
+    """Every command of the README's shared-cluster section, in order: the admin's on this machine, the
+    tenant's from a home of its own holding only what `pathways tenants add` printed."""
+    admin, tenant = readme_block("## A shared cluster", 0), readme_block("## A shared cluster", 1)
+    assert admin[0].startswith("pathways up") and admin[-1] == "pathways down" and tenant[0].startswith(
+        "pathways login pathways://HOST:7100")
+    if not (head.port_free(6379) and head.port_free(7100)):
+        pytest.skip("the README's ports (6379, 7100) are in use on this machine")
+    root = Path(__file__).resolve().parent.parent
+    run = Cli(tmp_path / "admin", root, tmp_path / "tmp")
+    alice = {"PATHWAYS_HOME": str(tmp_path / "alice")}
+
+    def command(line: str, env: dict | None = None) -> str:
+        words = line.split()
+        argv = [sys.executable] + (["-m", "client.cli"] if words[0] == "pathways" else []) + words[1:]
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=240, cwd=root,
+                              env={**run.env, **(env or {})})
+        assert proc.returncode == 0, f"`{line}` failed:\n{proc.stdout}\n{proc.stderr}"
+        return proc.stdout
+
+    try:
+        printed = {}
+        for line in admin[:-1]:
+            printed[line] = command(line)
+        login = next(line.strip() for line in printed["pathways tenants add alice --weight 1 --quota 8"].splitlines()
+                     if line.strip().startswith("pathways login"))
+        outs = [command(login, alice)] + [command(line, alice) for line in tenant[1:]]
+        assert "logged in to" in outs[0] and "y = [3. 5.] on island 1" in outs[1], outs
+        assert "submitted alice-" in outs[2] and "alice" in outs[3] and "your tenant's view" in outs[4], outs
+        assert "whole cluster (admin)" in printed["pathways status"]
+    finally:
+        out = command(admin[-1]) if run.state() else ""
+        stop_head_of(run)
+    assert "stopped the Ray head" in out

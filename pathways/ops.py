@@ -14,6 +14,7 @@ larger than an island host's memory.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -455,6 +456,11 @@ class Template:
     slices: Mapping[str, SliceDesc]
     ops: tuple[Op, ...]
 
+    @functools.cached_property
+    def executables(self) -> frozenset[str]:
+        """The content hashes of the executables its ops run (what an island checks a tenant has sent)."""
+        return frozenset(op.exe for op in self.ops if isinstance(op, Exec))
+
     def slice(self, key: str, what: str) -> SliceDesc:
         """The fragment's slice ``key``; ProgramError (prefixed by ``what``) when the fragment has none by that name."""
         desc = self.slices.get(key)
@@ -541,12 +547,15 @@ class TemplateCache:
         self._size = size
         self._decoded: dict[str, dict[bytes, Template | Exception]] = {}
 
-    def get(self, blob: bytes, tenant: str = "", per_tenant: int | None = None) -> Template:
-        """The checked template ``blob`` encodes, decoded on first sight; raises the error it failed with, every time.
-        """
+    def get(self, blob: bytes, tenant: str = "", per_tenant: int | None = None,
+            before_decode: Callable[[bytes], None] | None = None) -> Template:
+        """The checked template ``blob`` encodes, decoded on first sight (after ``before_decode``, a cheap check
+        that may refuse it first); raises the error it failed with, every time."""
         cache = self._decoded.setdefault(tenant, {})
         template = cache.get(blob)
         if template is None:
+            if before_decode is not None:
+                before_decode(blob)
             try:
                 template = Template.decode(blob)
                 if self._check is not None:

@@ -25,7 +25,7 @@ from typing import Any
 
 from pathways.budgets import over
 from pathways.errors import PathwaysError, ProgramError, TenantAccessError, WireFormatError, to_wire
-from pathways.messages import Call, Free, Put, Request, client_of, decode_request
+from pathways.messages import CLIENT_ID_BITS, Call, Free, Put, Request, client_of, decode_request
 from pathways.ops import Exec, Limits, Template, TemplateCache, check_fits, declared_ops, declared_values
 from resource_manager.host.buffers import Failure
 from resource_manager.host.executables import ExecutableCache
@@ -152,17 +152,23 @@ class Admission:
             return Admitted(client, tenant, payload, request, None, Failure(*to_wire(exc)), lo, hi)
 
     def _own(self, client: int, ids: Any, what: str) -> None:
-        bad = [i for i in ids if client_of(i) != client or i <= 0]
-        if bad:
-            raise TenantAccessError(f"{what} names buffer id {bad[0]}, which is not one of your client's ids")
+        lo, hi = client << CLIENT_ID_BITS, (client + 1) << CLIENT_ID_BITS
+        for i in ids:
+            if not (lo <= i < hi and i > 0):
+                raise TenantAccessError(f"{what} names buffer id {i}, which is not one of your client's ids")
 
     def _check_call(self, client: int, tenant: str, call: Call) -> Template:
         budgets = self.grants.budgets(tenant)
-        ops = declared_ops(call.template)  # counted before the costly decode
-        if ops > budgets.program_ops:
-            raise over("program_ops", 0, ops, budgets.program_ops, "ops")
-        template = self.templates.get(call.template, tenant, budgets.templates)
-        self._own(client, [call.base, call.base + max(template.n_values - 1, 0)], "a call's output block")
+
+        def count_ops(blob: bytes) -> None:  # before the costly decode of a template never seen
+            ops = declared_ops(blob)
+            if ops > budgets.program_ops:
+                raise over("program_ops", 0, ops, budgets.program_ops, "ops")
+
+        template = self.templates.get(call.template, tenant, budgets.templates, count_ops)
+        if len(template.ops) > budgets.program_ops:  # the budget shrank since it was decoded
+            raise over("program_ops", 0, len(template.ops), budgets.program_ops, "ops")
+        self._own(client, (call.base, call.base + max(template.n_values - 1, 0)), "a call's output block")
         if len(call.inputs) != template.n_inputs:
             raise ProgramError(f"program {template.program!r} takes {template.n_inputs} inputs; the call names "
                                f"{len(call.inputs)}")
@@ -176,9 +182,10 @@ class Admission:
             if not isinstance(blob, bytes):
                 raise WireFormatError(f"executable {exe_hash[:12]}… is not bytes")
             self.exes.add(tenant, exe_hash, blob)
-        for op in template.ops:
-            if isinstance(op, Exec) and op.exe not in call.exes and not self.exes.has(tenant, op.exe):
-                raise ProgramError(f"{op.name}: executable {op.exe[:12]}… was never sent to island "
+        for exe in template.executables:
+            if exe not in call.exes and not self.exes.has(tenant, exe):
+                name = next(op.name for op in template.ops if isinstance(op, Exec) and op.exe == exe)
+                raise ProgramError(f"{name}: executable {exe[:12]}… was never sent to island "
                                    f"{self.limits.island} by your clients")
         return template
 

@@ -35,7 +35,7 @@ from pathways.ops import Limits, SliceDesc, TemplateCache
 from resource_manager.host.admission import Admission, Admitted
 from resource_manager.host.buffers import BufferTable, Failure
 from resource_manager.host.grants import Grants
-from resource_manager.host.scheduler import Released, Resume, Scheduler
+from resource_manager.host.scheduler import NAMED, Continue, Released, Resume, Scheduler
 
 RUNTIME_ONLY = "refused: this method is for the runtime's own actors"
 SCHEDULE = "schedule"  # the concurrency group of the scheduler's methods: one thread of their own
@@ -49,11 +49,12 @@ def row_parts(rows: list) -> list:
     for row in rows:
         seq, kind, *rest = row
         parts += [seq, kind]
-        if kind == "resume":
+        if kind in ("resume", "part"):
             parts += list(rest)
             continue
-        client, tenant, payload, refs, refusal, lo, hi = rest[0]
-        parts += [client, tenant, payload, *[r.binary() for r in refs], *(refusal or ()), lo, hi]
+        client, tenant, payload, refs, refusal, lo, hi, end = rest[0]
+        parts += [client, tenant, payload, *[r.binary() for r in refs], *(refusal or ()), lo, hi,
+                  -1 if end is None else end]
     return parts
 
 
@@ -210,17 +211,23 @@ class Host:
         the client's session key. Each is admitted or refused alone; a refusal reaches its outputs."""
         if self.admission is None:
             raise PathwaysError(f"host {self.index} of island {self.island} takes no client messages; host 0 does")
+        start = time.perf_counter()
         parts = [first] + [p for payload, refs in _pairs(items) for p in (payload, *[r.binary() for r in refs])]
         session = self.grants.verify(client, mac, "submit", *parts)
-        self._forward(self.scheduler.queue(self.admission.accept(client, session.tenant, first, items)))
+        try:
+            admitted = self.admission.accept(client, session.tenant, first, items)
+        finally:  # checking the tenant's messages was the island's work for it
+            self.scheduler.charge(session.tenant, time.perf_counter() - start)
+        self._forward(self.scheduler.queue(admitted))
 
     def _forward(self, released: Released) -> None:
         """The scheduler's batch to every host: this one's without an actor call."""
         if not released:
             return
         if self.n_hosts > 1:
-            rows = [(seq, "resume", item.seq, item.pc) if isinstance(item, Resume) else (seq, "msg", item.row())
-                    for seq, item in released]
+            rows = [(seq, "resume", item.seq, item.pc) if isinstance(item, Resume)
+                    else (seq, "part", item.seq, item.lo, item.hi) if isinstance(item, Continue)
+                    else (seq, "msg", item.row()) for seq, item in released]
             mac = auth.sign(self._key, "enqueue", *row_parts(rows))
             for h in range(1, self.n_hosts):
                 self.peers.handle(self.island, h).enqueue_batch.remote(rows, mac)
@@ -444,8 +451,7 @@ class Host:
         if self.network is not None:
             out.update(self.network.stats())
         if self.scheduler is not None:
-            out["schedule"] = {k: v for k, v in self.scheduler.stats().items()
-                               if k not in ("tenant_time_s", "tenant_time_recent_s", "fragments", "weights")}
+            out["schedule"] = {k: v for k, v in self.scheduler.stats().items() if k not in NAMED}
             out["stream_gaps_waiting"] = self.admission.waiting()
         return out
 
@@ -454,8 +460,7 @@ class Host:
         stats = self.scheduler.stats()
         session = self.grants.verify(client, mac, "schedule_stats") if client is not None else None
         mine = session.tenant if session is not None else None
-        out = {k: v for k, v in stats.items() if k not in ("tenant_time_s", "tenant_time_recent_s", "fragments",
-                                                              "weights")}
+        out = {k: v for k, v in stats.items() if k not in NAMED}
         for key in ("tenant_time_s", "tenant_time_recent_s"):
             times = stats[key]
             out[key] = {mine: times.get(mine, 0.0)} if mine is not None else {}

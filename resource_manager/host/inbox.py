@@ -23,7 +23,7 @@ from resource_manager.host.buffers import BufferTable, Failure
 from resource_manager.host.executables import ExecutableCache
 from resource_manager.host.executor import Executor
 from resource_manager.host.run import Place, PutValue, Run
-from resource_manager.host.scheduler import Item, Resume
+from resource_manager.host.scheduler import Continue, Item, Resume
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,7 @@ class Inbox:
         self.island, self.host = island, host
         self.executor, self.table, self.exes, self.templates, self.cond = executor, table, exes, templates, cond
         self._pending: dict[int, Item] = {}
+        self._split: dict[int, Run] = {}  # a long fragment's first part, by its seq, until its last part is admitted
         self._next_seq = 0
         self._gap_since: float | None = None
 
@@ -48,12 +49,18 @@ class Inbox:
             self._admit_ready()
 
     def accept_rows(self, rows: list) -> None:
-        """Sequenced rows from host 0: ``(seq, "resume", run seq, pc)`` or ``(seq, "msg", row)``."""
+        """Sequenced rows from host 0: ``(seq, "resume", run seq, pc)``, ``(seq, "part", first seq, lo, hi)`` or
+        ``(seq, "msg", row)``."""
         items = []
         for row in rows:
             try:
                 seq, kind, *rest = row
-                items.append((seq, Resume(*rest) if kind == "resume" else self._from_row(*rest)))
+                if kind == "resume":
+                    items.append((seq, Resume(*rest)))
+                elif kind == "part":
+                    items.append((seq, Continue(*rest)))
+                else:
+                    items.append((seq, self._from_row(*rest)))
             except Exception as exc:  # host 0 is trusted, so this is a bug: say it, keep the order moving
                 log.exception("island %d host %d: an unreadable row from host 0", self.island, self.host)
                 if isinstance(row, (list, tuple)) and row and isinstance(row[0], int):
@@ -61,12 +68,12 @@ class Inbox:
         self.accept(items)
 
     def _from_row(self, row: tuple) -> Admitted:
-        client, tenant, payload, refs, refusal, lo, hi = row
+        client, tenant, payload, refs, refusal, lo, hi, end = row
         if refusal is not None:
             return Admitted(client, tenant, payload, refs, None, None, Failure(*refusal), lo, hi)
         request = decode_request(payload)
         template = self.templates.get(request.template) if isinstance(request, Call) else None
-        return Admitted(client, tenant, payload, refs, request, template)
+        return Admitted(client, tenant, payload, refs, request, template, end=end)
 
     def _admit_ready(self) -> None:
         while self._next_seq in self._pending:
@@ -82,6 +89,14 @@ class Inbox:
     def _admit(self, seq: int, item: Item) -> None:
         if isinstance(item, Resume):
             self.executor.resume(item.seq, item.pc)
+            return
+        if isinstance(item, Continue):
+            first = self._split.get(item.seq)
+            if first is None:  # its first part never ran here (it failed at admission): its outputs say why
+                return
+            if item.hi >= len(first.ops):
+                del self._split[item.seq]
+            self.executor.admit(first.part(seq, item.lo, item.hi))
             return
         if item.refusal is not None:
             if item.fail_hi > item.fail_lo:
@@ -105,8 +120,11 @@ class Inbox:
             return
         self.table.free(list(request.frees), item.tenant)
         template = item.template
-        self.executor.admit(Run(seq, item.tenant, item.client, template.program, template.ops, template,
-                                template.n_inputs, request.base, request.inputs))
+        run = Run(seq, item.tenant, item.client, template.program, template.ops, template, template.n_inputs,
+                  request.base, request.inputs, end=-1 if item.end is None else item.end)
+        if run.end < len(run.ops):
+            self._split[seq] = run
+        self.executor.admit(run)
 
     def _put_run(self, seq: int, item: Admitted, put: Put) -> Run:
         hosts = put.slice.hosts

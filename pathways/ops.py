@@ -557,12 +557,38 @@ class TemplateCache:
             raise type(template)(str(template))
         return template
 
+    def ops_in(self, blob: bytes) -> int:
+        """How many ops the template ``blob`` has: the decoded one's when cached, else read from its bytes without
+        decoding them (0 when unreadable; ``get`` says what is wrong), so that a budget can refuse a huge fragment
+        before anything decodes it."""
+        template = self._decoded.get(blob)
+        if isinstance(template, Template):
+            return len(template.ops)
+        try:
+            unpacker = _seek(blob, "ops")
+            return 0 if unpacker is None else unpacker.read_array_header()
+        except Exception:  # not a list: decoding it refuses it with the reason
+            return 0
+
+
+def _seek(blob: bytes, field: str) -> Any:
+    """A msgpack unpacker of ``blob`` (a map) standing at the value of ``field``, having skipped every other field
+    without building it; None when there is no such field. Raises on bytes that are not a map."""
+    unpacker = wire.msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=max(len(blob), 1))
+    unpacker.feed(blob)
+    for _ in range(unpacker.read_map_header()):
+        if unpacker.unpack() == field:
+            return unpacker
+        unpacker.skip()
+    return None
+
 
 def declared_values(blob: bytes) -> int:
     """How many values a template says it has, even when it is otherwise malformed (1 when unreadable): the
     id range a refused call's outputs occupy."""
     try:
-        n = wire.msgpack.unpackb(blob, raw=False, strict_map_key=False).get("n_values")
+        unpacker = _seek(blob, "n_values")
+        n = None if unpacker is None else unpacker.unpack()
     except Exception:  # a template that is not even a map
         return 1
     return n if isinstance(n, int) and 0 < n <= MAX_VALUES else 1

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import pathways as pw
+from pathways.budgets import Budgets
 from pathways.messages import CLIENT_ID_BITS, Call, Free, Put
 from pathways.ops import Aval, Exec, Limits, SliceDesc, Template
 from resource_manager.host.admission import Admission
@@ -104,3 +105,25 @@ def test_an_executable_budget_refuses_what_would_go_over_it():
     cache.add("bob", content_hash(blobs[0]), blobs[0])  # another tenant's budget is its own
     cache.drop_tenant("alice")
     assert not cache.has("alice", content_hash(blobs[0])) and cache.has("bob", content_hash(blobs[0]))
+
+
+def test_a_program_over_the_tenants_ops_budget_is_refused_before_it_is_decoded():
+    """Ten programs of 131k ops each once took the island's admission 4.7 s apiece to decode, and another tenant's
+    one-op program waited behind them. Over ``program_ops`` a call is refused alone with a ResourceError naming
+    the budget, read from the template's bytes without decoding it, its outputs failed; the next message, and
+    another tenant's, go on."""
+    a = admission()
+    a.grants.add_session(4, "bob", b"b" * 32)
+    limit = Budgets().program_ops
+    noop = Exec("cd" * 32, "s1", (0,), (1,), ((),), ((),), "f")
+    huge = Template("huge", 1, 2, {"s1": DESC}, (noop,) * (limit + 1)).encode()
+    start = time.perf_counter()
+    refused, fine = a.accept(CLIENT, "alice", 0, [(empty_call(1, template=huge, inputs=(ids(0),)), None),
+                                                 (empty_call(9), None)])
+    assert time.perf_counter() - start < 0.5  # decoding it would take seconds
+    assert refused.refusal.kind == "ResourceError" and "program_ops budget" in refused.refusal.message
+    assert f"needs {limit + 1} ops more, over the limit of {limit} ops" in refused.refusal.message
+    assert (refused.fail_lo, refused.fail_hi) == (ids(1), ids(3)) and fine.refusal is None
+    (other,) = a.accept(4, "bob", 0, [(Call(Template("p", 0, 1, {}, ()).encode(), 4 << CLIENT_ID_BITS, (), {},
+                                            ()).encode(), None)])
+    assert other.refusal is None

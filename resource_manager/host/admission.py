@@ -25,6 +25,7 @@ from typing import Any
 
 import ray
 
+from pathways.budgets import over
 from pathways.errors import PathwaysError, ProgramError, TenantAccessError, WireFormatError, to_wire
 from pathways.messages import Call, Free, Put, Request, client_of, decode_request
 from pathways.ops import Exec, Limits, Template, TemplateCache, check_fits, declared_values
@@ -164,6 +165,10 @@ class Admission:
             raise TenantAccessError(f"{what} names buffer id {bad[0]}, which is not one of your client's ids")
 
     def _check_call(self, client: int, tenant: str, call: Call) -> Template:
+        limit = self.grants.budgets(tenant).program_ops
+        ops = self.templates.ops_in(call.template)
+        if ops > limit:  # refused before it is decoded: its size alone is the problem
+            raise over("program_ops", 0, ops, limit, "ops")
         template = self.templates.get(call.template)
         self._own(client, [call.base, call.base + max(template.n_values - 1, 0)], "a call's output block")
         if len(call.inputs) != template.n_inputs:

@@ -12,10 +12,12 @@ import threading
 from dataclasses import dataclass
 
 from pathways import auth
+from pathways.budgets import Budgets
 from pathways.errors import TenantAccessError
 from pathways.ops import SliceDesc
 
 REFUSED = "the message is not signed by a session this island knows (closed, reclaimed, or never opened)"
+DEFAULT_BUDGETS = Budgets()
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,11 @@ class Grants:
     def session(self, client: int) -> Session | None:
         """The session of client ``client``, or None."""
         return self._sessions.get(client)
+
+    def budgets(self, tenant: str) -> Budgets:
+        """``tenant``'s budgets on this island: the one place a host looks them up. Until the resource manager
+        tells hosts each tenant's own with its sessions, every tenant has the defaults."""
+        return DEFAULT_BUDGETS
 
     def verify(self, client: int, mac: bytes, purpose: str, *parts: bytes | str | int) -> Session:
         """The session whose key signed these parts; TenantAccessError (naming nobody) otherwise."""

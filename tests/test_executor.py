@@ -243,3 +243,21 @@ def test_a_long_fragment_in_parts_lets_another_run_go_between_them(strict):
         time.sleep(0.02)
     assert sorted(d[0] for r in host.reports for d in r.done) == [0, 1, 2, 3]  # each part reports, in its place
     host.executor.stop()
+
+
+def test_a_call_or_part_that_cannot_run_here_is_still_reported_done(host):
+    """The scheduler keeps a call's place in its window until the call is reported done: a call whose admission
+    failed on this host, and the later parts of a fragment whose first part never ran, report done at once."""
+    inbox = Inbox(0, 0, host.executor, host.table, host.exes, TemplateCache(), host.cond)
+    inc = host.function(lambda v: v + 1.0, 1)
+    template = one(inc, "bad")
+    base = 1 << CLIENT_ID_BITS
+    call = Call(template.encode(), base, (100,), {"ab" * 32: b"not the executable"}, ())
+    inbox.accept([(0, Admitted(1, TENANT, call.encode(), (), call, template)), (1, Continue(0, 1, 2)),
+                  (2, Continue(77, 5, 9))])
+    with pytest.raises(pw.WireFormatError, match="do not match their hash"):
+        host.fetch(base + 1)
+    deadline = time.monotonic() + 10
+    while len([d for r in host.reports for d in r.done]) < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert sorted(d[0] for r in host.reports for d in r.done) == [0, 1, 2]

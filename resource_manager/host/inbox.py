@@ -83,6 +83,8 @@ class Inbox:
             except Exception:  # never leave the order stuck behind one item
                 log.exception("island %d host %d: admitting sequence %d failed", self.island, self.host,
                               self._next_seq)
+                if isinstance(item, Continue) or isinstance(item, Admitted) and item.counts:
+                    self._ran_nothing(self._next_seq)
             self._next_seq += 1
         self._gap_since = (self._gap_since or time.monotonic()) if self._pending else None
 
@@ -93,6 +95,7 @@ class Inbox:
         if isinstance(item, Continue):
             first = self._split.get(item.seq)
             if first is None:  # its first part never ran here (it failed at admission): its outputs say why
+                self._ran_nothing(seq)
                 return
             if item.hi >= len(first.ops):
                 del self._split[item.seq]
@@ -117,6 +120,7 @@ class Inbox:
         except PathwaysError as exc:
             template = item.template
             self.table.fail_range(request.base, request.base + template.n_values, item.tenant, Failure(*to_wire(exc)))
+            self._ran_nothing(seq)
             return
         self.table.free(list(request.frees), item.tenant)
         template = item.template
@@ -125,6 +129,11 @@ class Inbox:
         if run.end < len(run.ops):
             self._split[seq] = run
         self.executor.admit(run)
+
+    def _ran_nothing(self, seq: int) -> None:
+        """A call (or part) in place ``seq`` that will not run here: an empty run, so that its completion is
+        reported like any other and the scheduler's window does not keep its place for ever."""
+        self.executor.admit(Run(seq, "", 0, "nothing", ()))
 
     def _put_run(self, seq: int, item: Admitted, put: Put) -> Run:
         hosts = put.slice.hosts

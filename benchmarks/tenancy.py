@@ -11,10 +11,11 @@ tenant's credential (PATHWAYS_CREDENTIAL). No client says what its weight is.
    first starts up and runs one call; the phases start only once all are ready (or ``--startup`` seconds
    have passed). The island's scheduler accounts the island time each tenant receives; each phase is
    measured over its middle 60%, where all four stay backlogged, as a whole and in every 5 s stretch of
-   it (sliding, read every 0.5 s). Printed: one line per run, a table of the runs, the run with the worst
-   5 s stretch tenant by tenant (when its process started, when its first call completed, its calls in
-   the window, and whether a (near) 0% share means it never started (with its stderr) or was starved),
-   and, as the last line of the output,
+   it (sliding, read every 0.5 s), with the seconds each tenant had nothing queued or in flight there
+   ("not backlogged": its client did not keep up). Printed: one line per run, a table of the runs, the run
+   with the worst 5 s stretch tenant by tenant (when its process started, when its first call completed,
+   its calls in the window, and whether a (near) 0% share means it never started (with its stderr) or was
+   starved), and, as the last line of the output,
 
        fair share: R runs, S starved, worst error E% (whole), W% (5 s windows), Jain J
 
@@ -193,18 +194,14 @@ def start_all(tenants: list[Tenant], startup: float) -> float:
 
 # -- 1. weighted fair share ------------------------------------------------------------------------
 
-def island_time(admin) -> dict[str, float]:
-    (island0,) = [s for s in admin.schedules() if s["island"] == 0]
-    return island0["tenant_time_s"]
-
-
 class Sampler:
-    """Each tenant's island time on island 0, read every ``every`` seconds in the background: the shares of any
-    stretch of time come from two readings."""
+    """Each tenant's island time on island 0 (and the seconds it had nothing queued or in flight there), read
+    every ``every`` seconds in the background: the shares of any stretch of time come from two readings."""
 
     def __init__(self, admin, every: float = 0.5) -> None:
         self.admin, self.every = admin, every
         self.readings: list[tuple[float, dict[str, float]]] = []
+        self.idle: list[tuple[float, dict[str, float]]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -212,7 +209,10 @@ class Sampler:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                self.readings.append((time.time(), island_time(self.admin)))
+                (island0,) = [s for s in self.admin.schedules() if s["island"] == 0]
+                now = time.time()
+                self.readings.append((now, island0["tenant_time_s"]))
+                self.idle.append((now, {t: v["idle_s"] for t, v in island0.get("tenants", {}).items()}))
             except Exception:  # a slow moment of the resource manager: the next reading will do
                 pass
             self._stop.wait(self.every)
@@ -221,9 +221,11 @@ class Sampler:
         self._stop.set()
         self._thread.join(timeout=30)
 
-    def used(self, start: float, end: float) -> dict[str, float] | None:
-        """Island seconds per tenant between the readings nearest ``start`` and ``end`` (None without two)."""
-        inside = [(t, r) for t, r in self.readings if start - self.every / 2 <= t <= end + self.every / 2]
+    def used(self, start: float, end: float, readings: list | None = None) -> dict[str, float] | None:
+        """Island seconds per tenant between the readings nearest ``start`` and ``end`` (None without two); of the
+        idle seconds with ``readings=self.idle``."""
+        readings = self.readings if readings is None else readings
+        inside = [(t, r) for t, r in readings if start - self.every / 2 <= t <= end + self.every / 2]
         if len(inside) < 2:
             return None
         first = min(inside, key=lambda x: abs(x[0] - start))[1]
@@ -286,6 +288,7 @@ def fair_share(admin, seconds: float, startup: float, sub_window: float = SUB_WI
         _, _, measure_from, measure_to = phase["window"]
         weights = phase["weights"]
         used = sampler.used(measure_from, measure_to) or {}
+        idle = sampler.used(measure_from, measure_to, sampler.idle) or {}
         whole = errors(used, weights)
         windows = [errors(w, weights) for w in sampler.windows(measure_from, measure_to, sub_window)]
         rows = {}
@@ -296,6 +299,7 @@ def fair_share(admin, seconds: float, startup: float, sub_window: float = SUB_WI
                    "island_s": used.get(t.name, 0.0), "share": share, "target": weights[t.name] / sum(weights.values()),
                    **t.timeline(), "calls_measured": window.get("measured", 0), "calls": window.get("done", 0),
                    "longest_wait_s": window.get("longest_wait_s"), "failed": results[t.name] is None,
+                   "idle_s": idle.get(t.name),
                    "error": whole[t.name],
                    "worst_window_error": max((abs(w[t.name]) for w in windows), default=None),
                    "lowest_window_share": min((1.0 + w[t.name] for w in windows), default=None)}
@@ -377,7 +381,7 @@ def _s(value: float | None) -> str:
 def fair_share_runs(admin, runs: int, seconds: float, startup: float) -> tuple[list[dict], dict]:
     """``runs`` runs of ``fair_share``, each printed as one line as it ends; the summary over all of them."""
     table = Table(["run", *[f"{t} share" for t in WEIGHTS], "worst error", f"worst {SUB_WINDOW_S:g} s", "starved",
-                   "Jain (equal)"])
+                   "Jain (equal)", "least backlogged"])
     out = []
     for k in range(runs):
         run = fair_share(admin, seconds, startup)
@@ -387,10 +391,12 @@ def fair_share_runs(admin, runs: int, seconds: float, startup: float) -> tuple[l
                                  if r["verdict"] != "ok"})
         run["worst_error"] = max(abs(r["error"]) for r in rows)
         run["worst_window_error"] = max((r["worst_window_error"] or 0.0) for r in rows)
+        idle = max(((r["idle_s"] or 0.0, f"{r['weight']:g}:{name}") for p in run["phases"]
+                    for name, r in p["tenants"].items()), default=(0.0, "-"))
         out.append(run)
         table.add(k + 1, *[f"{100 * r['share']:.1f}%" for r in weighted["tenants"].values()],
                   f"{100 * run['worst_error']:.1f}%", f"{100 * run['worst_window_error']:.1f}%",
-                  ", ".join(run["starved"]) or "-", f"{equal['jain']:.4f}")
+                  ", ".join(run["starved"]) or "-", f"{equal['jain']:.4f}", f"{idle[1]} idle {idle[0]:.2f}s")
         print(f"run {k + 1}/{runs}: worst error {100 * run['worst_error']:.1f}% (whole), "
               f"{100 * run['worst_window_error']:.1f}% ({SUB_WINDOW_S:g} s windows), Jain {equal['jain']:.4f}"
               + (f", STARVED: {', '.join(run['starved'])}" if run["starved"] else ""), flush=True)
@@ -407,14 +413,16 @@ def fair_share_runs(admin, runs: int, seconds: float, startup: float) -> tuple[l
     print(f"\nthe run with the worst {SUB_WINDOW_S:g} s window, tenant by tenant (all ready after "
           f"{worst['startup_s']:.1f}s; 'started' and 'first call' count from spawning each process):")
     detail = Table(["phase", "tenant", "weight", "island s", "share", "target", "error",
-                    f"worst {SUB_WINDOW_S:g} s", "started", "first call", "calls in window", "verdict"])
+                    f"worst {SUB_WINDOW_S:g} s", "not backlogged", "started", "first call", "calls in window",
+                    "verdict"])
     for phase in worst["phases"]:
         for t, r in phase["tenants"].items():
             detail.add("1:2:4:8" if phase["weights"] == WEIGHTS else "equal", t, f"{r['weight']:g}",
                        f"{r['island_s']:.2f}", f"{100 * r['share']:.1f}%", f"{100 * r['target']:.1f}%",
                        f"{100 * r['error']:+.1f}%",
                        "-" if r["worst_window_error"] is None else f"{100 * r['worst_window_error']:.1f}%",
-                       _s(r["started_s"]), _s(r["first_call_s"]), r["calls_measured"], r["verdict"])
+                       "-" if r["idle_s"] is None else f"{r['idle_s']:.2f}s", _s(r["started_s"]),
+                       _s(r["first_call_s"]), r["calls_measured"], r["verdict"])
             if r["scheduler_weight"] is not None and r["scheduler_weight"] != r["weight"]:
                 print(f"note: the scheduler weighs {t} {r['scheduler_weight']:g}, the registry {r['weight']:g}")
             if r["verdict"] != "ok" and r["stderr_tail"]:

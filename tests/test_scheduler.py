@@ -5,6 +5,7 @@ every host has its data."""
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -406,3 +407,17 @@ def test_weights_come_from_set_weight():
     scheduler = Scheduler(0, 1)
     scheduler.set_weight("a", 2.5)
     assert scheduler.stats()["weights"] == {"a": 2.5}
+
+
+def test_the_admin_sees_how_long_a_tenant_had_nothing_queued_or_in_flight():
+    scheduler = Scheduler(0, 1)
+    measured(scheduler, {"a": 1})
+    time.sleep(0.05)
+    assert scheduler.stats()["tenants"]["a"]["idle_s"] >= 0.05
+    released = scheduler.queue([admitted(1, "a", 1)])
+    idle = scheduler.stats()["tenants"]["a"]["idle_s"]
+    time.sleep(0.05)
+    assert scheduler.stats()["tenants"]["a"]["idle_s"] == idle  # backlogged: the count stands still
+    scheduler.completed([[released[0][0], 1e-3]])
+    time.sleep(0.02)
+    assert scheduler.stats()["tenants"]["a"]["idle_s"] >= idle + 0.02

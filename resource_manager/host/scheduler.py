@@ -144,6 +144,8 @@ class Scheduler:
         self._time: dict[str, float] = {}
         self._recent: deque[tuple[float, str, float]] = deque()
         self._fragments: dict[str, int] = {}
+        self._idle: dict[str, float] = {}  # tenant -> seconds it had nothing queued or in flight
+        self._idle_since: dict[str, float] = {}
 
     def set_weight(self, tenant: str, weight: float) -> None:
         """The tenant's weight, as the resource manager's registry holds it (finite and positive)."""
@@ -179,6 +181,9 @@ class Scheduler:
         """A tenant with nothing queued or in flight starts at the virtual time if it is new, and at most its
         share of ``credit_s`` of island time behind it if it comes back, whatever it did not use while away."""
         if not self._active(tenant):
+            since = self._idle_since.pop(tenant, None)
+            if since is not None:
+                self._idle[tenant] = self._idle.get(tenant, 0.0) + time.monotonic() - since
             vtime = self._virtual_time()
             weights = self._weight(tenant) + sum(self._weight(t) for t in self._pass if self._active(t))
             floor = vtime - self.credit_s / weights
@@ -239,6 +244,7 @@ class Scheduler:
             seq = self._next()
             if not entry.counts:
                 released.append((seq, entry))
+                self._maybe_idle(tenant)
                 continue
             cost = self._cost_of(item)
             lo = item.lo if isinstance(item, _Rest) else 0
@@ -323,12 +329,18 @@ class Scheduler:
             self._flying[tenant] -= 1
             if flight.unmeasured:
                 self._unmeasured[tenant] -= 1
+            self._maybe_idle(tenant)
         return flight
+
+    def _maybe_idle(self, tenant: str) -> None:
+        if not self._active(tenant):
+            self._idle_since.setdefault(tenant, time.monotonic())
 
     def stats(self) -> dict:
         """The scheduler's counters: sequence numbers issued, window, queued/in-flight/blocked fragments, and each
         tenant's island time (since start and over the last ``RECENT_S`` seconds), fragments, weight, and where it
-        stands (``lag_s``: island seconds it is ahead of its share, negative when behind; queued; in flight)."""
+        stands (``lag_s``: island seconds it is ahead of its share, negative when behind; queued; in flight;
+        ``idle_s``: seconds it had nothing queued or in flight, so that "backlogged" can be checked)."""
         with self._lock:
             horizon = time.monotonic() - RECENT_S
             while self._recent and self._recent[0][0] < horizon:
@@ -337,8 +349,11 @@ class Scheduler:
             for _, tenant, busy in self._recent:
                 recent[tenant] = recent.get(tenant, 0.0) + busy
             vtime = self._virtual_time()
+            now = time.monotonic()
             tenants = {t: {"lag_s": (p - vtime) * self._weight(t), "queued": len(self._queues.get(t, ())),
-                           "inflight": self._flying.get(t, 0)} for t, p in self._pass.items()}
+                           "inflight": self._flying.get(t, 0),
+                           "idle_s": self._idle.get(t, 0.0) + now - self._idle_since.get(t, now)}
+                       for t, p in self._pass.items()}
             return {"tenant_time_recent_s": recent, "island": self.island, "sequenced": self._seq,
                     "window": self.window, "window_s": self.window_s, "inflight_s": self._inflight_s,
                     "queued": sum(len(q) for q in self._queues.values()), "inflight": len(self._inflight),

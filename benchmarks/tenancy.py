@@ -6,16 +6,18 @@ The benchmark starts the runtime, so it holds the admin credential: it registers
 runtime's registry with the weight the table shows, and hands each client process only that
 tenant's credential (PATHWAYS_CREDENTIAL). No client says what its weight is.
 
-1. Fair share, ``--runs`` times, each run with four fresh tenant processes keeping small programs queued
-   on island 0: first at weights 1:2:4:8, then (the admin changes them) all at weight 1. Every client
-   first starts up and runs one call; the phases start only once all are ready (or ``--startup`` seconds
-   have passed). The island's scheduler accounts the island time each tenant receives; each phase is
-   measured over its middle 60%, where all four stay backlogged, as a whole and in every 5 s stretch of
-   it (sliding, read every 0.5 s), with the seconds each tenant had nothing queued or in flight there
-   ("not backlogged": its client did not keep up). Printed: one line per run, a table of the runs, the run
-   with the worst 5 s stretch tenant by tenant (when its process started, when its first call completed,
-   its calls in the window, and whether a (near) 0% share means it never started (with its stderr) or was
-   starved), and, as the last line of the output,
+1. Fair share, ``--runs`` times, each run with four fresh tenant processes keeping small programs
+   queued on island 0 (at niceness ``--client-niceness``, 10: below the hosts, as clients on machines of
+   their own would be; on 2 shared cores a client that preempts the host in the middle of one tenant's
+   computation charges that tenant for the wait): first at weights 1:2:4:8, then (the admin changes them)
+   all at weight 1. Every client first starts up and runs one call; the phases start only once all are
+   ready (or ``--startup`` seconds have passed). The island's scheduler accounts the island time each
+   tenant receives; each phase is measured over its middle 60%, where all four stay backlogged, as a whole
+   and in every 5 s stretch of it (sliding, read every 0.5 s), with the seconds each tenant had nothing
+   queued or in flight there ("not backlogged": its client did not keep up). Printed: one line per run, a
+   table of the runs, the run with the worst 5 s stretch tenant by tenant (when its process started, when
+   its first call completed, its calls in the window, and whether a (near) 0% share means it never started
+   (with its stderr) or was starved), and, as the last line of the output,
 
        fair share: R runs, S starved, worst error E% (whole), W% (5 s windows), Jain J
 
@@ -50,6 +52,9 @@ from benchmarks.common import Table, default_out, median, process_cpu_s, write_j
 WEIGHTS = {"w1": 1.0, "w2": 2.0, "w4": 4.0, "w8": 8.0}
 NEAR_ZERO = 0.1  # a share below this fraction of its target counts as (near) 0%
 SUB_WINDOW_S = 5.0  # the stretches of time in which every tenant must get its share too
+# The fair-share clients run below the hosts' priority, as tenants' clients on their own machines would: on 2 shared
+# cores a client that preempts the host in the middle of one tenant's computation charges that tenant for the wait.
+CLIENT_NICENESS = 10
 
 
 # -- one tenant's process --------------------------------------------------------------------------
@@ -58,10 +63,11 @@ def emit(**kw) -> None:
     print(json.dumps(kw), flush=True)
 
 
-def client(tenant: str, size: int, depth: int) -> None:
-    """One tenant's process: start, run one call, say so; then read its windows from stdin and, in each
-    [start, end), keep ``depth`` to ``2 * depth`` programs outstanding on island 0. Reports, per window, the
-    calls completed, those completed inside [measure_from, measure_to], and the longest wait for a batch."""
+def client(tenant: str, size: int, depth: int, niceness: int) -> None:
+    """One tenant's process (at ``niceness``): start, run one call, say so; then read its windows from stdin and,
+    in each [start, end), keep ``depth`` to ``2 * depth`` programs outstanding on island 0. Reports, per window,
+    the calls completed, those completed inside [measure_from, measure_to], and the longest wait for a batch."""
+    os.nice(niceness)
     emit(event="started", at=time.time())
     try:
         import jax
@@ -109,14 +115,14 @@ class Tenant:
     """A tenant's client process, seen from the benchmark: when it started, became ready, finished, and its
     stderr's tail."""
 
-    def __init__(self, name: str, weight: float, credential: str, size: int, depth: int) -> None:
+    def __init__(self, name: str, weight: float, credential: str, size: int, depth: int, niceness: int = 0) -> None:
         self.name, self.weight = name, weight
         env = dict(os.environ, RAY_ADDRESS=ray.get_runtime_context().gcs_address, PATHWAYS_CREDENTIAL=credential)
         env.pop("PATHWAYS_TICKET", None)
         self.spawned = time.time()
         self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.tenancy", "--client", name, str(size),
-                                      str(depth)], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True)
+                                      str(depth), str(niceness)], env=env, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.events: queue.Queue = queue.Queue()
         self.seen: dict[str, dict] = {}
         self.stderr: deque[str] = deque(maxlen=40)
@@ -255,12 +261,12 @@ def jain(values: list[float]) -> float:
     return sum(values) ** 2 / (len(values) * squares) if squares else 0.0
 
 
-def fair_share(admin, seconds: float, startup: float, sub_window: float = SUB_WINDOW_S) -> dict:
-    """One run: four fresh client processes, a phase at weights 1:2:4:8, then one at equal weights, each measured
-    over its middle 60% (where all four stay backlogged): island time per tenant, over the whole stretch and over
-    every ``sub_window`` seconds in it."""
+def fair_share(admin, seconds: float, startup: float, niceness: int, sub_window: float = SUB_WINDOW_S) -> dict:
+    """One run: four fresh client processes (at ``niceness``), a phase at weights 1:2:4:8, then one at equal
+    weights, each measured over its middle 60% (where all four stay backlogged): island time per tenant, over the
+    whole stretch and over every ``sub_window`` seconds in it."""
     credentials = register(admin, WEIGHTS)
-    tenants = [Tenant(t, w, credentials[t], 256, 64) for t, w in WEIGHTS.items()]
+    tenants = [Tenant(t, w, credentials[t], 256, 64, niceness) for t, w in WEIGHTS.items()]
     took = start_all(tenants, startup)
     start_at = time.time() + 1.0
     gap = 2.0
@@ -378,13 +384,13 @@ def _s(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}s"
 
 
-def fair_share_runs(admin, runs: int, seconds: float, startup: float) -> tuple[list[dict], dict]:
+def fair_share_runs(admin, runs: int, seconds: float, startup: float, niceness: int) -> tuple[list[dict], dict]:
     """``runs`` runs of ``fair_share``, each printed as one line as it ends; the summary over all of them."""
     table = Table(["run", *[f"{t} share" for t in WEIGHTS], "worst error", f"worst {SUB_WINDOW_S:g} s", "starved",
                    "Jain (equal)", "least backlogged"])
     out = []
     for k in range(runs):
-        run = fair_share(admin, seconds, startup)
+        run = fair_share(admin, seconds, startup, niceness)
         weighted, equal = run["phases"]
         rows = list(weighted["tenants"].values()) + list(equal["tenants"].values())
         run["starved"] = sorted({f"{r['weight']:g}:{name}" for p in run["phases"] for name, r in p["tenants"].items()
@@ -405,9 +411,9 @@ def fair_share_runs(admin, runs: int, seconds: float, startup: float) -> tuple[l
                "worst_window_error": max(r["worst_window_error"] for r in out),
                "jain": min(r["phases"][1]["jain"] for r in out)}
     targets = ", ".join(f"{100 * w / sum(WEIGHTS.values()):.1f}%" for w in WEIGHTS.values())
-    print(f"\nWeighted fair share of island 0, {runs} run(s): four tenant processes, weights 1:2:4:8 set by the "
-          f"admin (targets {targets}), all backlogged, then all at weight 1; each phase measured over its middle "
-          f"{0.6 * seconds:.0f} s")
+    print(f"\nWeighted fair share of island 0, {runs} run(s): four tenant processes at niceness {niceness}, weights "
+          f"1:2:4:8 set by the admin (targets {targets}), all backlogged, then all at weight 1; each phase measured "
+          f"over its middle {0.6 * seconds:.0f} s")
     print(table.render())
     worst = max(out, key=lambda r: (len(r["starved"]), r["worst_window_error"]))
     print(f"\nthe run with the worst {SUB_WINDOW_S:g} s window, tenant by tenant (all ready after "
@@ -440,11 +446,13 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3, help="times each throughput phase runs (medians compared)")
     parser.add_argument("--quick", action="store_true", help="10 s phases, 1 and 2 clients")
     parser.add_argument("--out", default=str(default_out("tenancy")))
-    parser.add_argument("--client", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--client-niceness", type=int, default=CLIENT_NICENESS,
+                        help="niceness of the fair-share phases' client processes (0: the hosts' own)")
+    parser.add_argument("--client", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.client:
-        tenant, size, depth = args.client
-        client(tenant, int(size), int(depth))
+        tenant, size, depth, niceness = args.client
+        client(tenant, int(size), int(depth), int(niceness))
         return
     if args.quick:
         args.seconds, args.clients = 10.0, [1, 2]
@@ -455,7 +463,7 @@ def main() -> None:
 
     session = pw.init(topology=pw.Topology(islands=1, hosts_per_island=1, devices_per_host=2))
     admin = pw.admin()  # this process started the runtime: it is the cluster's admin
-    runs, summary = fair_share_runs(admin, args.runs, args.seconds, args.startup)
+    runs, summary = fair_share_runs(admin, args.runs, args.seconds, args.startup, args.client_niceness)
 
     rates, costs = throughput(admin, session, args.clients, args.reps, args.seconds, args.startup)
     medians = {n: median(r) for n, r in rates.items()}

@@ -430,7 +430,8 @@ def fair_share_runs(admin, runs: int, seconds: float, startup: float, niceness: 
                                                else f" ({_pct(run['worst_error_any'])})"),
                   _pct(run["worst_window_error"]) + ("" if run["worst_window_error"] == run["worst_window_error_any"]
                                                       else f" ({_pct(run['worst_window_error_any'])})"),
-                  ", ".join(run["starved"]) or "-", f"{equal['jain']:.4f}", f"{idle[1]} idle {idle[0]:.2f}s")
+                  ", ".join(run["starved"]) or "-", f"{equal['jain']:.4f}",
+                  f"{idle[1]} idle {idle[0]:.2f}s" if idle[0] > 0 else "all, all the time")
         print(f"run {k + 1}/{runs}: worst error {_pct(run['worst_error'])} (whole), "
               f"{_pct(run['worst_window_error'])} ({SUB_WINDOW_S:g} s windows), Jain {equal['jain']:.4f}"
               + (f"; most idle {idle[1]} {idle[0]:.2f}s" if idle[0] > 0 else "")

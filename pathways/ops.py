@@ -576,25 +576,33 @@ class TemplateCache:
 
 
 def declared_ops(blob: bytes) -> int:
-    """How many ops a template's bytes hold, counted without decoding them (skipping every other field): what
-    an island checks against the sender's ``program_ops`` budget before the costly decode. -1 if unreadable."""
+    """How many ops a template's bytes hold, counted without decoding them: what an island checks against the
+    sender's ``program_ops`` budget before the costly decode. -1 if unreadable (the full decode says why)."""
     try:
-        unpacker = wire.msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=len(blob) + 1)
-        unpacker.feed(blob)
-        for _ in range(unpacker.read_map_header()):
-            if unpacker.unpack() == "ops":
-                return unpacker.read_array_header()
-            unpacker.skip()
-    except Exception:  # not a map, or truncated: the full decode says what is wrong
+        unpacker = _seek(blob, "ops")
+        return 0 if unpacker is None else unpacker.read_array_header()
+    except Exception:  # not a map, or "ops" not a list
         return -1
-    return 0
+
+
+def _seek(blob: bytes, field: str) -> Any:
+    """A msgpack unpacker of ``blob`` (a map) standing at the value of ``field``, having skipped every other field
+    without building it; None when there is no such field. Raises on bytes that are not a map."""
+    unpacker = wire.msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=max(len(blob), 1))
+    unpacker.feed(blob)
+    for _ in range(unpacker.read_map_header()):
+        if unpacker.unpack() == field:
+            return unpacker
+        unpacker.skip()
+    return None
 
 
 def declared_values(blob: bytes) -> int:
     """How many values a template says it has, even when it is otherwise malformed (1 when unreadable): the
     id range a refused call's outputs occupy."""
     try:
-        n = wire.msgpack.unpackb(blob, raw=False, strict_map_key=False).get("n_values")
+        unpacker = _seek(blob, "n_values")
+        n = None if unpacker is None else unpacker.unpack()
     except Exception:  # a template that is not even a map
         return 1
     return n if isinstance(n, int) and 0 < n <= MAX_VALUES else 1

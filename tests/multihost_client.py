@@ -77,6 +77,39 @@ def gang(n: int) -> dict:
     return {"tenant": tenant, "programs": n, "final": final}
 
 
+def long(n: int, path: str) -> dict:
+    """A program of ``n`` computations on the 2-host island, each with a cross-host reduction, run three times under
+    ``pw.trace``: longer than the scheduler lets one fragment run at once, so it runs in parts, each in a place of
+    its own in the island's order, while another client's collectives take places between them. Returns the
+    results and each host's order of this program's parts."""
+    pw.init(timeouts=pw.Timeouts(fetch=120.0, op=120.0))
+    s = pw.slice((4,), ("x",), island=0)
+    f = pw.jit(lambda v: v * 0.5 + jnp.sum(v) / 32, slice=s, in_specs=(P("x"),), out_specs=P("x"))
+
+    def chain(v):
+        for _ in range(n):
+            v = f(v)
+        return v
+
+    x0 = np.arange(16, dtype=np.float32) / 16
+    program = pw.program(chain)
+    x = pw.put(x0, s, P("x"))
+    with pw.trace(path):
+        outs = [program(x) for _ in range(3)]
+        outs[-1].block_until_ready()
+    ref = x0
+    for _ in range(n):
+        ref = ref * 0.5 + ref.sum() / 32
+    got = [np.asarray(out).tolist() for out in outs]
+    parts: dict = {}
+    events = json.load(open(path))["traceEvents"]
+    for e in sorted((e for e in events if e.get("cat") == "fragment" and e["pid"] == 100
+                     and e["args"].get("program") == "chain"), key=lambda e: e["ts"]):
+        parts.setdefault(e["tid"], []).append(e["args"]["seq"])
+    pw.shutdown()
+    return {"programs": len(outs), "got": got, "want": ref.tolist(), "parts": [parts.get(0, []), parts.get(1, [])]}
+
+
 def traced(path: str) -> dict:
     """Two programs interleaved on the 2-host island under pw.trace: each host's fragment order."""
     pw.init(timeouts=pw.Timeouts(fetch=60.0, op=60.0))
@@ -127,6 +160,8 @@ if __name__ == "__main__":
         result = spmd()
     elif mode == "trace":
         result = traced(sys.argv[2])
+    elif mode == "long":
+        result = long(int(sys.argv[2]), sys.argv[3])
     elif mode == "exchange":
         result = exchange(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), float(sys.argv[5]))
     else:

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import pathways as pw
+from pathways.budgets import Budgets
 from pathways.messages import CLIENT_ID_BITS, Call, Free, Put
 from pathways.ops import Aval, Exec, Limits, SliceDesc, Template
 from resource_manager.host.admission import Admission
@@ -122,3 +123,25 @@ def test_a_program_over_the_tenants_program_ops_budget_is_refused_before_it_is_d
     for k, blob in enumerate(calls):  # counted without decoding: a cut-off header is enough to know
         (refused,) = a.accept(CLIENT, "alice", 1 + k, [empty_call(2 + k, template=blob, inputs=(ids(100),))])
         assert ("over your program_ops budget" in refused.refusal.message) == (k == 0), refused.refusal
+
+
+def test_a_huge_program_is_refused_fast_and_alone():
+    """Ten programs of 131k ops each once took the island's admission 4.7 s apiece to decode, and another tenant's
+    one-op program waited behind them. Over ``program_ops`` a call is refused alone with a ResourceError naming
+    the budget, read from the template's bytes without decoding it, its outputs failed; the next message, and
+    another tenant's, go on."""
+    a = admission()
+    a.grants.add_session(4, "bob", b"b" * 32)
+    limit = Budgets().program_ops
+    noop = Exec("cd" * 32, "s1", (0,), (1,), ((),), ((),), "f")
+    huge = Template("huge", 1, 2, {"s1": DESC}, (noop,) * (limit + 1)).encode()
+    start = time.perf_counter()
+    refused, fine = a.accept(CLIENT, "alice", 0, [empty_call(1, template=huge, inputs=(ids(0),)),
+                                                 empty_call(9)])
+    assert time.perf_counter() - start < 0.5  # decoding it would take seconds
+    assert refused.refusal.kind == "ResourceError" and "program_ops budget" in refused.refusal.message
+    assert f"needs {limit + 1} ops more, over the limit of {limit} ops" in refused.refusal.message
+    assert (refused.fail_lo, refused.fail_hi) == (ids(1), ids(3)) and fine.refusal is None
+    (other,) = a.accept(4, "bob", 0, [Call(Template("p", 0, 1, {}, ()).encode(), 4 << CLIENT_ID_BITS, (), {},
+                                           ()).encode()])
+    assert other.refusal is None

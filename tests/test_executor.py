@@ -12,13 +12,15 @@ import pytest
 import pathways as pw
 from client.jit import CompiledFunction
 from client.slices import VirtualSlice
-from pathways.messages import Deliver
+from pathways.messages import CLIENT_ID_BITS, Call, Deliver
 from pathways.ops import Aval, Exec, Limits, Recv, Route, SliceDesc, Template
 from resource_manager.host import wiring
+from resource_manager.host.admission import Admitted
 from resource_manager.host.buffers import Failure
 from resource_manager.host.devices import LocalDevices
 from resource_manager.host.executor import Report
 from resource_manager.host.run import Run
+from resource_manager.host.scheduler import Continue
 from resource_manager.host.transport.peers import Peers
 
 DESC = SliceDesc("s1", (2,), ("x",), ((0, 0), (0, 1)))
@@ -198,3 +200,57 @@ def test_pieces_for_a_receive_that_already_finished_go_straight_back():
         host.receiver.deliver(Deliver(1001, 1, 0, (((0, 4),),)), (late,), (1, 0))
     assert given_back == [late] and 1001 not in host.receiver.mailbox
     host.executor.stop()
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_long_fragment_in_parts_lets_another_run_go_between_them(strict):
+    """The scheduler gives a long fragment's parts places of their own in the order (``Admitted.end`` and
+    ``Continue``); every host runs another client's run between them, the same way in the island's order, and the
+    parts share the fragment's ids, so the result is the one the whole fragment gives."""
+    host = Host(strict=strict)
+    inbox = host.parts.inbox
+    inc = host.function(lambda v: v + 1.0, 1)
+    chain = Template("chain", 1, 51, {"s1": DESC}, tuple(
+        Exec(inc, "s1", (k,), (k + 1,), ((),), ((),), f"inc{k}", (k,) if k else ()) for k in range(50)))
+    ran: list[tuple[str, int]] = []
+    real = host.handlers.run
+
+    def recording(run, op, final):
+        ran.append((run.label, run.pc))
+        return real(run, op, final)
+
+    host.handlers.run = recording
+    host.value(100, np.zeros(4, np.float32))
+    base = 1 << CLIENT_ID_BITS
+    call = Call(chain.encode(), base, (100,), {}, ())
+    other = Call(one(inc, "other").encode(), 2 * base, (100,), {}, ())
+    inbox.accept([(0, Admitted(1, TENANT, call.encode(), call, chain, end=20)),
+                  (1, Admitted(2, TENANT, other.encode(), other, one(inc, "other"))),
+                  (2, Continue(0, 20, 35)), (3, Continue(0, 35, 50))])
+    np.testing.assert_allclose(host.fetch(base + 50), 50.0)
+    np.testing.assert_allclose(host.fetch(2 * base + 1), 1.0)
+    assert ran.index(("other", 0)) == ran.index(("chain", 19)) + 1  # between the first part and the second
+    assert [pc for label, pc in ran if label == "chain"] == list(range(50))  # every op once, in order
+    deadline = time.monotonic() + 10
+    while len([d for r in host.reports for d in r.done]) < 4 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert sorted(d[0] for r in host.reports for d in r.done) == [0, 1, 2, 3]  # each part reports, in its place
+    host.executor.stop()
+
+
+def test_a_call_or_part_that_cannot_run_here_is_still_reported_done(host):
+    """The scheduler keeps a call's place in its window until the call is reported done: a call whose admission
+    failed on this host, and the later parts of a fragment whose first part never ran, report done at once."""
+    inbox = host.parts.inbox
+    inc = host.function(lambda v: v + 1.0, 1)
+    template = one(inc, "bad")
+    base = 1 << CLIENT_ID_BITS
+    call = Call(template.encode(), base, (100,), {"ab" * 32: b"not the executable"}, ())
+    inbox.accept([(0, Admitted(1, TENANT, call.encode(), call, template)), (1, Continue(0, 1, 2)),
+                  (2, Continue(77, 5, 9))])
+    with pytest.raises(pw.WireFormatError, match="do not match their hash"):
+        host.fetch(base + 1)
+    deadline = time.monotonic() + 10
+    while len([d for r in host.reports for d in r.done]) < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert sorted(d[0] for r in host.reports for d in r.done) == [0, 1, 2]

@@ -32,7 +32,7 @@ def multihost():
     daemon.wait(timeout=60)
 
 
-TENANTS = ("checker", "a", "b", "tracer", "forward", "backward")
+TENANTS = ("checker", "a", "b", "tracer", "forward", "backward", "long")
 
 
 def client(cluster: dict, tenant: str, *args: str) -> subprocess.Popen:
@@ -58,6 +58,22 @@ def test_two_clients_interleave_collectives_on_one_island(multihost):
     for r in [result(p) for p in procs]:
         assert r["programs"] == 220
         np.testing.assert_allclose(r["final"]["got"], r["final"]["want"], rtol=1e-4, atol=1e-5, err_msg=r["tenant"])
+
+
+def test_a_long_program_runs_in_parts_between_another_clients_collectives(multihost, tmp_path):
+    """A program of 700 computations with cross-host collectives runs in parts (a first part of 256 ops, then parts
+    sized by its measured cost), each part a place of its own in the island's order, the same on both hosts, while
+    another tenant's programs of collectives take places between the parts: no deadlock, and both compute what
+    numpy does."""
+    procs = [client(multihost, "long", "long", "700", str(tmp_path / "trace.json")),
+             client(multihost, "b", "gang", "150")]
+    long, gang = [result(p) for p in procs]
+    assert long["programs"] == 3 and gang["programs"] == 150
+    host0, host1 = long["parts"]
+    assert len(host0) >= 3 * 3 and host0 == host1, long["parts"]  # three calls, each in three parts or more
+    for got in long["got"]:
+        np.testing.assert_allclose(got, long["want"], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(gang["final"]["got"], gang["final"]["want"], rtol=1e-4, atol=1e-5)
 
 
 def test_trace_shows_the_same_order_on_every_host(multihost, tmp_path):

@@ -38,7 +38,8 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Admitted:
     """A client's message after admission: typed and checked, or the failure that replaces it (then the ids
-    ``fail_lo`` to ``fail_hi - 1`` fail with it)."""
+    ``fail_lo`` to ``fail_hi - 1`` fail with it). ``end``: a long call runs only its ops before ``end`` in this
+    place of the order, the rest in places of their own (the scheduler's ``Continue``); None runs them all."""
 
     client: int
     tenant: str
@@ -48,6 +49,7 @@ class Admitted:
     refusal: Failure | None = None
     fail_lo: int = 0
     fail_hi: int = 0
+    end: int | None = None
 
     @property
     def counts(self) -> bool:
@@ -57,7 +59,7 @@ class Admitted:
     def row(self) -> tuple:
         """The form other hosts of the island receive (they decode the payload once themselves)."""
         refusal = None if self.refusal is None else (self.refusal.kind, self.refusal.message)
-        return (self.client, self.tenant, self.payload, refusal, self.fail_lo, self.fail_hi)
+        return (self.client, self.tenant, self.payload, refusal, self.fail_lo, self.fail_hi, self.end)
 
 
 class Admission:

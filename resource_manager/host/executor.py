@@ -12,6 +12,12 @@ scheduler gives the rest of the fragment a new place in the order (a resume),
 the same on every host. A later fragment that needs a value a parked one will
 produce parks behind it and comes back right after it.
 
+A long fragment arrives in parts (the scheduler decides where it is cut): each
+part is a run of its own with a place of its own in the order, over the same
+ids, so other tenants' runs go between the parts on every host alike, and a
+part that needs what an earlier one has yet to write waits for it by dataflow
+(or parks behind it) like any later fragment.
+
 Completion, blocking and landing flow out as reports to the ``report`` sink
 (the host forwards them to its island's scheduler); the executor never calls
 the layers above it. If its thread dies, every pending and future wait fails
@@ -39,8 +45,9 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Report:
-    """What the executor tells the island's scheduler: fragments done (seq, island seconds), fragments
-    waiting on another island (they leave the window), and parked receives whose data landed here."""
+    """What the executor tells the island's scheduler: fragments done (seq, island seconds, the seconds of those
+    spent compiling), fragments waiting on another island (they leave the window), and parked receives whose data
+    landed here."""
 
     done: list[list] = field(default_factory=list)
     blocked: list[int] = field(default_factory=list)
@@ -86,7 +93,7 @@ class Executor:
     def admit(self, run: Run) -> None:
         """Take the next run in sequence order: count its uses, announce its receives, and queue it (or fail it at once
         if the host is dead). The caller holds ``cond``."""
-        for op in run.ops:
+        for op in run.own_ops():
             self.table.add_uses(run.touches(op))
             if isinstance(op, Recv):
                 self.receiver.expect(run.rid(op.out), op)
@@ -144,7 +151,7 @@ class Executor:
                 if run.parked:
                     continue
                 progressed |= self._advance(run)
-                if run.pc >= len(run.ops):
+                if run.pc >= run.end:
                     self._finish(run)
                 elif self.strict and not run.parked:
                     break
@@ -159,7 +166,7 @@ class Executor:
         with self.cond:
             self.runs.remove(run)
             self.completed += 1
-        self._report.done.append([run.seq, run.busy_s])
+        self._report.done.append([run.seq, run.busy_s, run.compile_s])
         if self.events.enabled:
             self.events.span(f"seq {run.seq}: {run.label}", "fragment", run.admitted, time.time(), seq=run.seq,
                              tenant=run.tenant, program=run.label, ops=len(run.ops), busy_ms=round(run.busy_s * 1e3, 3))
@@ -180,7 +187,7 @@ class Executor:
 
     def _advance(self, run: Run) -> bool:
         progressed = False
-        while run.pc < len(run.ops):
+        while run.pc < run.end:
             op = run.ops[run.pc]
             if self.strict and isinstance(op, Recv) and run.resumed_at != run.pc:
                 self._park(run, op)
@@ -271,7 +278,7 @@ class Executor:
                 pass
 
     def _fail_rest(self, run: Run, failure: Failure) -> None:
-        for op in run.ops[run.pc:]:
+        for op in run.own_ops():
             for buffer_id in run.ids(op.writes()):
                 try:
                     self.table.put(buffer_id, run.tenant, failure)
@@ -310,7 +317,7 @@ class Executor:
         with self.cond:
             runs = [r for r in self.runs + list(self.parked.values()) if r.tenant == tenant]
         for run in runs:
-            if run.pc >= len(run.ops):
+            if run.pc >= run.end:
                 continue
             op = run.ops[run.pc]
             if isinstance(op, Recv):

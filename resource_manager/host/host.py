@@ -42,7 +42,7 @@ from pathways.ops import Limits
 from resource_manager.host import wiring
 from resource_manager.host.admission import Admitted
 from resource_manager.host.grants import Session
-from resource_manager.host.scheduler import Released, Resume
+from resource_manager.host.scheduler import NAMED, Continue, Released, Resume
 
 MAINTENANCE_S = 0.5
 log = logging.getLogger(__name__)
@@ -54,11 +54,11 @@ def runtime_parts(rows: list) -> list:
     for row in rows:
         seq, kind, *rest = row
         parts += [seq, kind]
-        if kind == "resume":
+        if kind in ("resume", "part"):
             parts += list(rest)
             continue
-        client, tenant, payload, refusal, lo, hi = rest[0]
-        parts += [client, tenant, payload, *(refusal or ()), lo, hi]
+        client, tenant, payload, refusal, lo, hi, end = rest[0]
+        parts += [client, tenant, payload, *(refusal or ()), lo, hi, -1 if end is None else end]
     return parts
 
 
@@ -183,15 +183,21 @@ class Host:
         p = self.parts
         if p.admission is None:
             raise PathwaysError(f"host {self.index} of island {self.island} takes no client messages; host 0 does")
-        self._forward(p.scheduler.queue(p.admission.accept(session.client, session.tenant, first, msgs)))
+        start = time.perf_counter()
+        try:
+            admitted = p.admission.accept(session.client, session.tenant, first, msgs)
+        finally:  # checking the tenant's messages was the island's work for it
+            p.scheduler.charge(session.tenant, time.perf_counter() - start)
+        self._forward(p.scheduler.queue(admitted))
 
     def _forward(self, released: Released) -> None:
         """The scheduler's batch to every host: this one's without an actor call."""
         if not released:
             return
         if self.n_hosts > 1:
-            rows = [(seq, "resume", item.seq, item.pc) if isinstance(item, Resume) else (seq, "msg", item.row())
-                    for seq, item in released]
+            rows = [(seq, "resume", item.seq, item.pc) if isinstance(item, Resume)
+                    else (seq, "part", item.seq, item.lo, item.hi) if isinstance(item, Continue)
+                    else (seq, "msg", item.row()) for seq, item in released]
             parts = runtime_parts(rows)
             for h in range(1, self.n_hosts):
                 self._call_peer(self.island, h, "enqueue_batch", rows,
@@ -356,8 +362,7 @@ class Host:
         stats = self.parts.scheduler.stats()
         if tenant is None:
             return stats
-        out = {k: v for k, v in stats.items() if k not in ("tenant_time_s", "tenant_time_recent_s", "fragments",
-                                                              "weights")}
+        out = {k: v for k, v in stats.items() if k not in NAMED}
         for key in ("tenant_time_s", "tenant_time_recent_s"):
             times = stats[key]
             out[key] = {tenant: times.get(tenant, 0.0)}
@@ -390,8 +395,7 @@ class Host:
             out.update(p.network.stats())
         out.update(p.clients.stats())
         if p.scheduler is not None:
-            out["schedule"] = {k: v for k, v in p.scheduler.stats().items()
-                               if k not in ("tenant_time_s", "tenant_time_recent_s", "fragments", "weights")}
+            out["schedule"] = {k: v for k, v in p.scheduler.stats().items() if k not in NAMED}
             out["stream_gaps_waiting"] = p.admission.waiting()
         return out
 

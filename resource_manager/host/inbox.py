@@ -23,7 +23,7 @@ from resource_manager.host.buffers import BufferTable, Failure
 from resource_manager.host.executables import ExecutableCache
 from resource_manager.host.executor import Executor
 from resource_manager.host.run import Place, Run
-from resource_manager.host.scheduler import Item, Resume
+from resource_manager.host.scheduler import Continue, Item, Resume
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,7 @@ class Inbox:
         self.island, self.host = island, host
         self.executor, self.table, self.exes, self.templates, self.cond = executor, table, exes, templates, cond
         self._pending: dict[int, Item] = {}
+        self._split: dict[int, Run] = {}  # a long fragment's first part, by its seq, until its last part is admitted
         self._next_seq = 0
         self._gap_since: float | None = None
 
@@ -48,12 +49,18 @@ class Inbox:
             self._admit_ready()
 
     def accept_rows(self, rows: list) -> None:
-        """Sequenced rows from host 0: ``(seq, "resume", run seq, pc)`` or ``(seq, "msg", row)``."""
+        """Sequenced rows from host 0: ``(seq, "resume", run seq, pc)``, ``(seq, "part", first seq, lo, hi)`` or
+        ``(seq, "msg", row)``."""
         items = []
         for row in rows:
             try:
                 seq, kind, *rest = row
-                items.append((seq, Resume(*rest) if kind == "resume" else self._from_row(*rest)))
+                if kind == "resume":
+                    items.append((seq, Resume(*rest)))
+                elif kind == "part":
+                    items.append((seq, Continue(*rest)))
+                else:
+                    items.append((seq, self._from_row(*rest)))
             except Exception as exc:  # host 0 is trusted, so this is a bug: say it, keep the order moving
                 log.exception("island %d host %d: an unreadable row from host 0", self.island, self.host)
                 if isinstance(row, (list, tuple)) and row and isinstance(row[0], int):
@@ -61,12 +68,12 @@ class Inbox:
         self.accept(items)
 
     def _from_row(self, row: tuple) -> Admitted:
-        client, tenant, payload, refusal, lo, hi = row
+        client, tenant, payload, refusal, lo, hi, end = row
         if refusal is not None:
             return Admitted(client, tenant, payload, None, None, Failure(*refusal), lo, hi)
         request = decode_request(payload)
         template = self.templates.get(request.template, tenant) if isinstance(request, Call) else None
-        return Admitted(client, tenant, payload, request, template)
+        return Admitted(client, tenant, payload, request, template, end=end)
 
     def _admit_ready(self) -> None:
         while self._next_seq in self._pending:
@@ -76,12 +83,23 @@ class Inbox:
             except Exception:  # never leave the order stuck behind one item
                 log.exception("island %d host %d: admitting sequence %d failed", self.island, self.host,
                               self._next_seq)
+                if isinstance(item, Continue) or isinstance(item, Admitted) and item.counts:
+                    self._ran_nothing(self._next_seq)
             self._next_seq += 1
         self._gap_since = (self._gap_since or time.monotonic()) if self._pending else None
 
     def _admit(self, seq: int, item: Item) -> None:
         if isinstance(item, Resume):
             self.executor.resume(item.seq, item.pc)
+            return
+        if isinstance(item, Continue):
+            first = self._split.get(item.seq)
+            if first is None:  # its first part never ran here (it failed at admission): its outputs say why
+                self._ran_nothing(seq)
+                return
+            if item.hi >= len(first.ops):
+                del self._split[item.seq]
+            self.executor.admit(first.part(seq, item.lo, item.hi))
             return
         if item.refusal is not None:
             if item.fail_hi > item.fail_lo:
@@ -102,11 +120,20 @@ class Inbox:
         except PathwaysError as exc:
             template = item.template
             self.table.fail_range(request.base, request.base + template.n_values, item.tenant, Failure(*to_wire(exc)))
+            self._ran_nothing(seq)
             return
         self.table.free(list(request.frees), item.tenant)
         template = item.template
-        self.executor.admit(Run(seq, item.tenant, item.client, template.program, template.ops, template,
-                                template.n_inputs, request.base, request.inputs))
+        run = Run(seq, item.tenant, item.client, template.program, template.ops, template, template.n_inputs,
+                  request.base, request.inputs, end=-1 if item.end is None else item.end)
+        if run.end < len(run.ops):
+            self._split[seq] = run
+        self.executor.admit(run)
+
+    def _ran_nothing(self, seq: int) -> None:
+        """A call (or part) in place ``seq`` that will not run here: an empty run, so that its completion is
+        reported like any other and the scheduler's window does not keep its place for ever."""
+        self.executor.admit(Run(seq, "", 0, "nothing", ()))
 
     def _put_run(self, seq: int, item: Admitted, put: Put) -> Run:
         return Run(seq, item.tenant, item.client, "put", (Place(put.slice, put.spec, put.aval),), base=put.id)

@@ -27,7 +27,8 @@ class Place(Op):
 
 @dataclass(eq=False)
 class Run:
-    """An admitted message's ops, in order; ``pc`` is the next one. Client-minted ids resolve lazily."""
+    """An admitted message's ops, in order; ``pc`` is the next one and ``end`` the one it stops before (a part of
+    a long fragment runs ``ops[pc:end]``; -1: all of them). Client-minted ids resolve lazily."""
 
     seq: int
     tenant: str
@@ -41,10 +42,25 @@ class Run:
     pc: int = 0
     waiting_since: float | None = None
     busy_s: float = 0.0
+    compile_s: float = 0.0  # the part of busy_s spent compiling executables
     admitted: float = field(default_factory=time.time)
     reported_blocked: bool = False
     parked: bool = False
     resumed_at: int = -1  # the recv op this run was resumed at (multi-host islands): its data will not wait
+    end: int = -1
+
+    def __post_init__(self) -> None:
+        if self.end < 0:
+            self.end = len(self.ops)
+
+    def part(self, seq: int, lo: int, hi: int) -> Run:
+        """Ops ``lo`` to ``hi - 1`` of this run's fragment as a run of its own (the same ids), in place ``seq``."""
+        return Run(seq, self.tenant, self.client, self.label, self.ops, self.template, self.n_inputs, self.base,
+                   self.inputs, pc=lo, end=hi)
+
+    def own_ops(self) -> tuple[Op, ...]:
+        """The ops this run still has to run (from ``pc`` to ``end``)."""
+        return self.ops[self.pc:self.end]
 
     def rid(self, slot: int) -> int:
         """The buffer id slot ``slot`` stands for in this run."""
@@ -60,5 +76,5 @@ class Run:
         return self.ids(op.touches())
 
     def remaining_writes(self) -> list[int]:
-        """Ids this run will still write (from ``pc`` on)."""
-        return [i for op in self.ops[self.pc:] for i in self.ids(op.writes())]
+        """Ids this run will still write (from ``pc`` to ``end``)."""
+        return [i for op in self.own_ops() for i in self.ids(op.writes())]

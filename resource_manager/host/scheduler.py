@@ -11,6 +11,38 @@ to their weights. Each released message gets the next sequence number; every
 host admits strictly by that number, so collectives launched by two clients on
 the same hosts can never interleave differently on two hosts.
 
+What a tenant is charged is measured, never claimed: the island time each
+fragment took, compiling included (reported when it completes: a fragment that
+ran far beyond its estimate puts its tenant behind by what it really used, a
+debt its following fragments wait for in proportion), and the admission work
+its messages caused (``charge``). Estimates only decide how much goes in flight
+at once. They are kept per tenant and template, per op, learned from run times
+without compiling, up at once and down slowly, so cheap calls of one program
+never make another look cheap, and a program that turned long is not taken for
+cheap again on the strength of one quick run. A template never measured yet
+has at most one fragment of its tenant in flight.
+
+Virtual time. The island's virtual time is the lowest pass, counting measured
+time only, among tenants with work queued or in flight. A new tenant starts
+there, so its first fragment goes at the next release. One that comes back
+after it was idle starts at most its weight's share of ``credit_s`` seconds of
+island time (one quantum, the window's worth) behind it: like a sleeper in a
+stride or fair-queuing scheduler it goes first for a moment, which keeps the
+latency of a tenant that sends now and then low, but it cannot come back to a
+burst as long as it was away while everyone else waits. When the island has
+nothing queued and nothing in flight its busy period ends and every tenant
+starts the next one level: no one was waiting, so no one is owed, and a tenant
+charged for a long compile before the others even arrived does not start the
+next busy period behind them (fair queuing restarts its virtual clock the
+same way).
+
+Long fragments run in parts. A call fragment whose ops would take longer
+than ``part_s`` (by the measured cost of its template, or more than
+``first_part_ops`` ops when unmeasured) is released one part at a time: each
+part takes its own place in the order, chosen by fair share like any
+fragment, so no tenant's huge program holds another's small one up for
+longer than a part, on every host of the island alike.
+
 Small computations are cheap to run and dear to send: once ``eager``
 fragments are in flight, new messages wait for the next completion report and
 go with everything released then, as one message per host.
@@ -27,13 +59,16 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass
+from collections import OrderedDict, deque
+from dataclasses import dataclass, replace
 
+from pathways.ops import Template
 from resource_manager.host.admission import Admitted
 
-FIRST_ESTIMATE_S = 1e-3
+FIRST_ESTIMATE_S = 1e-3  # what a fragment of a template never measured counts against the window
 RECENT_S = 10.0  # the window of the "recent" share that status shows while jobs run
+COSTS = 4096  # (tenant, template) costs kept, least recently used out first
+NAMED = ("tenant_time_s", "tenant_time_recent_s", "fragments", "weights", "tenants")  # stats that name tenants
 
 
 @dataclass(frozen=True)
@@ -44,31 +79,73 @@ class Resume:
     pc: int
 
 
-Item = Admitted | Resume
+@dataclass(frozen=True)
+class Continue:
+    """Ops ``lo`` to ``hi - 1`` of the call fragment first released as ``seq``: the next part of a long fragment,
+    with a place of its own in the order."""
+
+    seq: int
+    lo: int
+    hi: int
+
+
+Item = Admitted | Resume | Continue
 Released = list[tuple[int, Item]]
+
+
+@dataclass(frozen=True)
+class _Rest:
+    """The parts of a long fragment not released yet: ``entry`` released as ``seq``, ops from ``lo`` on."""
+
+    entry: Admitted
+    seq: int
+    lo: int
+
+
+@dataclass(frozen=True)
+class _Flight:
+    """A fragment (or part) in flight: its tenant, its estimate, the (tenant, template) its cost teaches and its
+    ops, and whether it holds its tenant's one place for a template never measured."""
+
+    tenant: str
+    estimate: float
+    owed: float  # the estimate in pass (estimate / weight at release)
+    key: tuple[str, Template | None]
+    ops: int
+    unmeasured: bool
 
 
 class Scheduler:
     """Thread-safe: admitted messages and the executors' reports arrive on different threads."""
 
-    def __init__(self, island: int, n_hosts: int, window: int = 64, window_s: float = 0.05, eager: int = 8) -> None:
+    def __init__(self, island: int, n_hosts: int, window: int = 64, window_s: float = 0.05, eager: int = 8,
+                 credit_s: float | None = None, part_s: float | None = None, first_part_ops: int = 256) -> None:
         self.island, self.n_hosts = island, n_hosts
         self._lock = threading.Lock()
         self.window, self.window_s, self.eager = window, window_s, eager
+        self.credit_s = window_s if credit_s is None else credit_s
+        self.part_s = window_s / 2 if part_s is None else part_s
+        self.first_part_ops = first_part_ops
         self._inflight_s = 0.0  # the estimates of the fragments in flight
         self._received = [0, 0]  # queue calls, messages in them: how well clients coalesce
         self._seq = 0
+        self._vtime = 0.0
         self._weights: dict[str, float] = {}
-        self._queues: dict[str, deque[Admitted]] = {}
-        self._pass: dict[str, float] = {}
-        self._estimate: dict[str, float] = {}
-        self._inflight: dict[int, tuple[str, float]] = {}
-        self._blocked: dict[int, tuple[str, float]] = {}
+        self._queues: dict[str, deque[Admitted | _Rest]] = {}
+        self._pass: dict[str, float] = {}  # island time charged (measured) / weight
+        self._owed: dict[str, float] = {}  # the estimates of the tenant's fragments in flight / weight
+        self._cost: OrderedDict[tuple[str, Template | None], float] = OrderedDict()  # seconds per op
+        self._inflight: dict[int, _Flight] = {}
+        self._blocked: dict[int, _Flight] = {}
+        self._flying: dict[str, int] = {}  # tenant -> its fragments in the window
+        self._unmeasured: dict[str, int] = {}  # tenant -> its fragments in the window of templates never measured
         self._landed: dict[tuple[int, int], set[int]] = {}
         self._resumes: deque[Resume] = deque()
         self._time: dict[str, float] = {}
         self._recent: deque[tuple[float, str, float]] = deque()
         self._fragments: dict[str, int] = {}
+        self._idle: dict[str, float] = {}  # tenant -> seconds it had nothing queued or in flight
+        self._idle_since: dict[str, float] = {}
 
     def set_weight(self, tenant: str, weight: float) -> None:
         """The tenant's weight, as the resource manager's registry holds it (finite and positive)."""
@@ -82,63 +159,154 @@ class Scheduler:
             self._received[0] += 1
             self._received[1] += len(entries)
             for entry in entries:
-                queue = self._queues.get(entry.tenant)
-                if queue is None:
-                    queue = self._queues[entry.tenant] = deque()
-                if not queue:  # a tenant waking up starts at the current virtual time, not in the past
-                    active = [self._pass[t] for t, q in self._queues.items() if q]
-                    self._pass[entry.tenant] = max(self._pass.get(entry.tenant, 0.0), min(active, default=0.0))
-                queue.append(entry)
+                self._wake(entry.tenant)
+                self._queues.setdefault(entry.tenant, deque()).append(entry)
             return self._release() if len(self._inflight) < self.eager else []
+
+    def charge(self, tenant: str, seconds: float) -> None:
+        """Charge ``tenant`` for ``seconds`` of the island's work done outside its fragments (admitting its
+        messages): it counts against its share like the time its fragments ran."""
+        with self._lock:
+            self._wake(tenant)
+            self._pass[tenant] += seconds / self._weight(tenant)
+            self._account(tenant, seconds)
+
+    def _weight(self, tenant: str) -> float:
+        return self._weights.get(tenant, 1.0)
+
+    def _active(self, tenant: str) -> bool:
+        return bool(self._queues.get(tenant)) or self._flying.get(tenant, 0) > 0
+
+    def _wake(self, tenant: str) -> None:
+        """A tenant with nothing queued or in flight starts at the virtual time if it is new, and at most its
+        share of ``credit_s`` of island time behind it if it comes back, whatever it did not use while away."""
+        if not self._active(tenant):
+            since = self._idle_since.pop(tenant, None)
+            if since is not None:
+                self._idle[tenant] = self._idle.get(tenant, 0.0) + time.monotonic() - since
+            vtime = self._virtual_time()
+            weights = self._weight(tenant) + sum(self._weight(t) for t in self._pass if self._active(t))
+            floor = vtime - self.credit_s / weights
+            self._pass[tenant] = max(self._pass.get(tenant, vtime), floor)
+
+    def _virtual_time(self) -> float:
+        """The lowest pass among tenants with work queued or in flight (it never moves back). Passes here count
+        what was measured, not the estimates of what is still in flight: an estimate that was too high (a
+        compile, a slow moment) must not move the clock that returning tenants start from."""
+        active = [p for t, p in self._pass.items() if self._active(t)]
+        if active:
+            self._vtime = max(self._vtime, min(active))
+        return self._vtime
+
+    def _end_busy_period(self) -> None:
+        """Nothing queued and nothing in flight: every tenant starts the next busy period level, debts forgiven (no
+        one was kept waiting by them) and credits spent."""
+        if not self._inflight and not any(self._queues.values()) and self._pass:
+            self._vtime = max(self._vtime, max(self._pass.values()))
+            self._pass = dict.fromkeys(self._pass, self._vtime)
 
     def _next(self) -> int:
         seq = self._seq
         self._seq += 1
         return seq
 
+    def _ready(self, tenant: str) -> bool:
+        """Whether the head of the tenant's queue may go now: not while a fragment of a template it never had
+        measured is in flight and the head is one too (unmeasured work must not fill the window)."""
+        queue = self._queues[tenant]
+        if not queue:
+            return False
+        return self._unmeasured.get(tenant, 0) == 0 or self._cost_of(queue[0]) is not None
+
+    def _cost_of(self, item: Admitted | _Rest) -> float | None:
+        """Seconds per op of the item's template for its tenant; None if never measured. A message that runs
+        no computations (a put, a free, a refusal) costs nothing here."""
+        entry = item.entry if isinstance(item, _Rest) else item
+        if not entry.counts:
+            return 0.0
+        key = (entry.tenant, entry.template)
+        cost = self._cost.get(key)
+        if cost is not None:
+            self._cost.move_to_end(key)
+        return cost
+
     def _release(self) -> Released:
         """Resumes first, then what the window allows in pass order, as one batch for every host."""
         released: Released = [(self._next(), resume) for resume in self._resumes]
         self._resumes.clear()
         while len(self._inflight) < self.window and (not self._inflight or self._inflight_s < self.window_s):
-            ready = [t for t, q in self._queues.items() if q]
+            ready = [t for t in self._queues if self._ready(t)]
             if not ready:
                 break
-            tenant = min(ready, key=lambda t: (self._pass[t], t))
-            entry = self._queues[tenant].popleft()
+            tenant = min(ready, key=lambda t: (self._pass[t] + self._owed.get(t, 0.0), t))
+            item = self._queues[tenant].popleft()
+            entry = item.entry if isinstance(item, _Rest) else item
             seq = self._next()
-            released.append((seq, entry))
-            if entry.counts:
-                estimate = self._estimate.get(tenant, FIRST_ESTIMATE_S)
-                self._pass[tenant] += estimate / self._weights.get(tenant, 1.0)
-                self._inflight[seq] = (tenant, estimate)
-                self._inflight_s += estimate
+            if not entry.counts:
+                released.append((seq, entry))
+                self._maybe_idle(tenant)
+                continue
+            cost = self._cost_of(item)
+            lo = item.lo if isinstance(item, _Rest) else 0
+            n_ops = len(entry.template.ops) if entry.template is not None else 1
+            part = self.first_part_ops if cost is None else max(1, int(self.part_s / max(cost, 1e-9)))
+            hi = min(n_ops, lo + part)
+            if isinstance(item, _Rest):
+                released.append((seq, Continue(item.seq, lo, hi)))
+            else:
+                released.append((seq, entry if hi == n_ops else replace(entry, end=hi)))
                 self._fragments[tenant] = self._fragments.get(tenant, 0) + 1
+            if hi < n_ops:  # the rest goes before the tenant's later messages
+                self._queues[tenant].appendleft(_Rest(entry, item.seq if isinstance(item, _Rest) else seq, hi))
+            estimate = FIRST_ESTIMATE_S if cost is None else max(cost * (hi - lo), 1e-6)
+            owed = estimate / self._weight(tenant)
+            self._inflight[seq] = _Flight(tenant, estimate, owed, (tenant, entry.template), hi - lo, cost is None)
+            self._inflight_s += estimate
+            self._owed[tenant] = self._owed.get(tenant, 0.0) + owed
+            self._flying[tenant] = self._flying.get(tenant, 0) + 1
+            if cost is None:
+                self._unmeasured[tenant] = self._unmeasured.get(tenant, 0) + 1
         return released
 
     # -- reports ------------------------------------------------------------------------------------------
     def completed(self, reports: list[list]) -> Released:
-        """Host 0 reports (seq, island seconds) for finished fragments; charge them to their tenants."""
+        """Host 0 reports (seq, island seconds[, seconds of them compiling]) for finished fragments: charge each to
+        its tenant, all of it, and learn its template's cost per op from the time it ran, compiling aside."""
         with self._lock:
-            for seq, busy in reports:
-                entry = self._leave_window(seq) or self._blocked.pop(seq, None)
-                if entry is None:
+            for seq, busy, *compiling in reports:
+                flight = self._leave_window(seq) or self._blocked.pop(seq, None)
+                if flight is None:
                     continue
-                tenant, estimate = entry
-                self._time[tenant] = self._time.get(tenant, 0.0) + busy
-                self._recent.append((time.monotonic(), tenant, busy))
-                self._pass[tenant] += (busy - estimate) / self._weights.get(tenant, 1.0)
-                self._estimate[tenant] = 0.8 * self._estimate.get(tenant, busy) + 0.2 * busy
+                self._account(flight.tenant, busy)
+                self._pass[flight.tenant] += busy / self._weight(flight.tenant)
+                ran = busy - sum(compiling)
+                if ran > 0:  # a run that only compiled says nothing of what the next will take
+                    self._learn(flight.key, ran / max(flight.ops, 1))
+            self._end_busy_period()
             return self._release()
+
+    def _learn(self, key: tuple[str, Template | None], per_op: float) -> None:
+        """A template's cost per op: up at once to what it just took, down slowly, so that work which turned
+        long is not taken for cheap again on the strength of one quick run."""
+        old = self._cost.get(key)
+        self._cost[key] = per_op if old is None or per_op > old else old + 0.2 * (per_op - old)
+        self._cost.move_to_end(key)
+        while len(self._cost) > COSTS:
+            self._cost.popitem(last=False)
+
+    def _account(self, tenant: str, seconds: float) -> None:
+        self._time[tenant] = self._time.get(tenant, 0.0) + seconds
+        self._recent.append((time.monotonic(), tenant, seconds))
 
     def blocked(self, seqs: list[int]) -> Released:
         """Fragments waiting on another island's transfer leave the window, so islands never wait on
         each other's windows."""
         with self._lock:
             for seq in seqs:
-                entry = self._leave_window(seq)
-                if entry is not None:
-                    self._blocked[seq] = entry
+                flight = self._leave_window(seq)
+                if flight is not None:
+                    self._blocked[seq] = replace(flight, unmeasured=False)
+            self._end_busy_period()
             return self._release()
 
     def landed(self, host: int, pairs: list[tuple[int, int]]) -> Released:
@@ -152,15 +320,27 @@ class Scheduler:
                     self._resumes.append(Resume(seq, pc))
             return self._release() if self._resumes else []
 
-    def _leave_window(self, seq: int) -> tuple[str, float] | None:
-        entry = self._inflight.pop(seq, None)
-        if entry is not None:
-            self._inflight_s = self._inflight_s - entry[1] if self._inflight else 0.0
-        return entry
+    def _leave_window(self, seq: int) -> _Flight | None:
+        flight = self._inflight.pop(seq, None)
+        if flight is not None:
+            self._inflight_s = self._inflight_s - flight.estimate if self._inflight else 0.0
+            tenant = flight.tenant
+            self._owed[tenant] = self._owed[tenant] - flight.owed if self._flying[tenant] > 1 else 0.0
+            self._flying[tenant] -= 1
+            if flight.unmeasured:
+                self._unmeasured[tenant] -= 1
+            self._maybe_idle(tenant)
+        return flight
+
+    def _maybe_idle(self, tenant: str) -> None:
+        if not self._active(tenant):
+            self._idle_since.setdefault(tenant, time.monotonic())
 
     def stats(self) -> dict:
         """The scheduler's counters: sequence numbers issued, window, queued/in-flight/blocked fragments, and each
-        tenant's island time (since start and over the last ``RECENT_S`` seconds), fragments and weight."""
+        tenant's island time (since start and over the last ``RECENT_S`` seconds), fragments, weight, and where it
+        stands (``lag_s``: island seconds it is ahead of its share, negative when behind; queued; in flight;
+        ``idle_s``: seconds it had nothing queued or in flight, so that "backlogged" can be checked)."""
         with self._lock:
             horizon = time.monotonic() - RECENT_S
             while self._recent and self._recent[0][0] < horizon:
@@ -168,9 +348,15 @@ class Scheduler:
             recent: dict[str, float] = {}
             for _, tenant, busy in self._recent:
                 recent[tenant] = recent.get(tenant, 0.0) + busy
+            vtime = self._virtual_time()
+            now = time.monotonic()
+            tenants = {t: {"lag_s": (p - vtime) * self._weight(t), "queued": len(self._queues.get(t, ())),
+                           "inflight": self._flying.get(t, 0),
+                           "idle_s": self._idle.get(t, 0.0) + now - self._idle_since.get(t, now)}
+                       for t, p in self._pass.items()}
             return {"tenant_time_recent_s": recent, "island": self.island, "sequenced": self._seq,
                     "window": self.window, "window_s": self.window_s, "inflight_s": self._inflight_s,
                     "queued": sum(len(q) for q in self._queues.values()), "inflight": len(self._inflight),
                     "blocked": len(self._blocked), "parked": len(self._landed), "tenant_time_s": dict(self._time),
-                    "fragments": dict(self._fragments), "weights": dict(self._weights),
+                    "fragments": dict(self._fragments), "weights": dict(self._weights), "tenants": tenants,
                     "submit_calls": self._received[0], "messages": self._received[1]}

@@ -43,6 +43,8 @@ class Timeouts:
             client's later messages; fixed when the runtime starts.
         grace: how long the runtime keeps a session whose client's connection is gone (it may come back) before
             it reclaims everything the session held; fixed when the runtime starts.
+        suspend: how long a call made while the admin has the cluster suspended waits for it to resume before it
+            fails with ClusterSuspendedError (and how long a client keeps trying to reach a resumed runtime).
     """
 
     fetch: float = 120.0
@@ -51,6 +53,7 @@ class Timeouts:
     poll: float = 1.0
     gap: float = 30.0
     grace: float = 10.0
+    suspend: float = 60.0
 
 
 def current_file() -> Path:

@@ -19,6 +19,7 @@ from typing import Any
 
 from pathways.cluster import ClusterStatus
 from pathways.errors import (
+    ClusterSuspendedError,
     IslandFailedError,
     PathwaysError,
     ProgramError,
@@ -53,10 +54,10 @@ _LAZY = {
 _MODULES = {"nnx": "client.nnx", "pipeline": "client.pipeline"}
 
 __all__ = [
-    "Admin", "Array", "ClusterStatus", "CompiledFunction", "IslandFailedError", "PathwaysError", "Program",
-    "ProgramError", "ProgramFunction", "ResourceError", "TenantAccessError", "Timeouts", "Topology", "VirtualSlice",
-    "WireFormatError", "admin", "filter_jit", "init", "jit", "nnx", "pipeline", "program", "put", "release",
-    "shutdown", "slice", "status", "trace", "transfer",
+    "Admin", "Array", "ClusterStatus", "ClusterSuspendedError", "CompiledFunction", "IslandFailedError",
+    "PathwaysError", "Program", "ProgramError", "ProgramFunction", "ResourceError", "TenantAccessError", "Timeouts",
+    "Topology", "VirtualSlice", "WireFormatError", "admin", "filter_jit", "init", "jit", "nnx", "pipeline", "program",
+    "put", "release", "shutdown", "slice", "status", "trace", "transfer",
 ]
 
 

@@ -27,6 +27,10 @@ class WireFormatError(PathwaysError):
     """A control message was malformed or had an unsupported version."""
 
 
+class ClusterSuspendedError(PathwaysError):
+    """The cluster's admin suspended it: its arrays are saved, and calls work again once it is resumed."""
+
+
 _KINDS: dict[str, type[PathwaysError]] = {
     cls.__name__: cls
     for cls in (
@@ -36,6 +40,7 @@ _KINDS: dict[str, type[PathwaysError]] = {
         IslandFailedError,
         TenantAccessError,
         WireFormatError,
+        ClusterSuspendedError,
     )
 }
 

@@ -126,7 +126,16 @@ class Ping:
     rid: int
 
 
-HOST_REQUESTS = (Batch, PutData, Fetch, Stalled, Usage, TraceStart, TraceStop, HostStats, ScheduleStats, Ping)
+@declare("position", {"rid": int})
+class Position:
+    """The number of the next message of the client's stream that the island takes (host 0): where a client
+    that was attached when the cluster was suspended sends from once it resumes."""
+
+    rid: int
+
+
+HOST_REQUESTS = (Batch, PutData, Fetch, Stalled, Usage, TraceStart, TraceStop, HostStats, ScheduleStats, Ping,
+                 Position)
 
 
 # -- requests to the resource manager ------------------------------------------------------------------------
@@ -158,6 +167,24 @@ class Renew:
     hosts' addresses."""
 
     rid: int
+
+
+@declare("watch", {"rid": int, "seen": int})
+class Watch:
+    """Answered when the cluster's state is no longer generation ``seen`` (at once if it is not): its state
+    (``running``, ``suspending``, ``suspended``, ``resuming``), generation and islands. A connection has one
+    watch at a time; a new one answers the old."""
+
+    rid: int
+    seen: int
+
+
+@declare("quiesced", {"rid": int, "generation": int})
+class Quiesced:
+    """The client has stopped sending for the suspend of ``generation``: everything it sent was taken."""
+
+    rid: int
+    generation: int
 
 
 @declare("allocate", {"rid": int, "shape": ("list", int), "axes": ("list", str), "island": ("opt", int)})
@@ -271,4 +298,4 @@ class StopJob:
 
 
 ANONYMOUS_REQUESTS = (Ready, Open, WhoAmI, AdminOp, SubmitJob, ListJobs, JobLogs, StopJob)
-SESSION_REQUESTS = (Renew, Allocate, Release, Close, State, Suspect)
+SESSION_REQUESTS = (Renew, Allocate, Release, Close, State, Suspect, Watch, Quiesced)

@@ -8,7 +8,10 @@ job and close the endpoints before ``pathways down`` removes the actors) and ``s
 
 from __future__ import annotations
 
+import logging
 import secrets
+import signal
+import threading
 from typing import Any
 
 import ray
@@ -19,10 +22,31 @@ from resource_manager.jobs import JobRunner
 from resource_manager.manager import Config, ResourceManager
 from resource_manager.service import ManagerService
 
+log = logging.getLogger(__name__)
+
 
 def launch_mac(admin_digest: str, purpose: str) -> bytes:
     """What the launcher proves for ``purpose``: an HMAC keyed by the admin credential's digest."""
     return auth.sign(bytes.fromhex(admin_digest), purpose)
+
+
+def suspend_on_sigterm(rm: ResourceManager, directory: str, timeout: float) -> None:
+    """SIGTERM (a preemption notice) suspends the cluster into ``directory`` instead of ending this process,
+    which stays up, suspended: if the machine survives after all, ``pathways resume`` goes on here."""
+    def suspend() -> None:
+        try:
+            rm.suspension.suspend(directory, timeout)
+        except Exception as exc:  # the admin reads why in the log and in pathways status
+            log.error("SIGTERM: suspending into %s failed: %s", directory, exc)
+
+    def handler(signum: int, frame: Any) -> None:
+        log.warning("SIGTERM: suspending the cluster into %s", directory)
+        threading.Thread(target=suspend, name="suspend-on-sigterm", daemon=True).start()
+
+    try:
+        signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread
+        log.error("cannot take SIGTERM in this process; a preemption notice will not suspend the cluster")
 
 
 class ManagerActor:
@@ -35,6 +59,8 @@ class ManagerActor:
         ports = range(client_ports[0], client_ports[1] + 1) if client_ports else None
         self._service = ManagerService(self._rm, ray.util.get_node_ip_address(), ports)
         self._service.jobs = JobRunner(self._rm, self._service.address, self._config.jobs_dir, self._config.job_user)
+        if self._config.suspend_dir:
+            suspend_on_sigterm(self._rm, self._config.suspend_dir, self._config.suspend_timeout)
 
     def _check(self, mac: Any, purpose: str) -> None:
         digest = self._config.admin_digest

@@ -69,22 +69,29 @@ def start_islands(topology: Topology, runtime_key: bytes, runtime_id: str, op_ti
     return [Island(p.island, hosts, info, p) for p, hosts, info in zip(placements, started, infos)]
 
 
-def restart_island(topology: Topology, island: Island, runtime_key: bytes, runtime_id: str, op_timeout: float,
-                   gap_timeout: float, timeout: float) -> Island:
-    """New hosts for a failed island, in its placement group: empty buffer tables, a new epoch."""
+def stop_island(island: Island) -> None:
+    """Kill an island's hosts (what they held is gone with them)."""
     for host in island.hosts:
         try:
             ray.kill(host, no_restart=True)
-        except Exception:  # already dead: that is why it restarts
+        except Exception:  # already dead
             pass
-    hosts = _create(topology, island.placement, island.epoch + 1, op_timeout, gap_timeout, runtime_key, runtime_id)
+
+
+def restart_island(topology: Topology, island: Island, runtime_key: bytes, runtime_id: str, op_timeout: float,
+                   gap_timeout: float, timeout: float, epoch: int | None = None) -> Island:
+    """New hosts for an island, in its placement group, with empty buffer tables: at a new epoch after a failure,
+    or at ``epoch`` (the one it had) when a suspended cluster resumes."""
+    stop_island(island)
+    epoch = island.epoch + 1 if epoch is None else epoch
+    hosts = _create(topology, island.placement, epoch, op_timeout, gap_timeout, runtime_key, runtime_id)
     try:
         (info,) = _start(topology, [(island.index, hosts)], runtime_key, timeout)
     except BaseException:
         for host in hosts:
             ray.kill(host, no_restart=True)
         raise
-    return Island(island.index, hosts, info, island.placement, island.epoch + 1)
+    return Island(island.index, hosts, info, island.placement, epoch)
 
 
 def _create(topology: Topology, p: IslandPlacement, epoch: int, op_timeout: float, gap_timeout: float,

@@ -44,7 +44,7 @@ def start_runtime(options: dict) -> dict:
               "implicit": ({"tenant": options["tenant"], "digest": auth.digest(options["credential"])}
                            if options.get("tenant") else None),
               "default_quota": options.get("default_quota"), "jobs_dir": options.get("jobs_dir"),
-              "job_user": options.get("job_user")}
+              "job_user": options.get("job_user"), "suspend_dir": options.get("suspend_dir")}
     actor = ray.remote(ManagerActor).options(
         name=RESOURCE_MANAGER, namespace=NAMESPACE, lifetime="detached", get_if_exists=True, num_cpus=0,
         max_concurrency=4, resources={"node:__internal_head__": 0.001},  # the head outlives worker nodes

@@ -40,8 +40,10 @@ from pathways.messages import (
 )
 from pathways.topology import Topology
 from resource_manager.island import Island, restart_island, start_islands
+from resource_manager.notices import Notices
 from resource_manager.placement import Allocation, Inventory, place
 from resource_manager.registry import Registry, TenantRecord, check_name, check_quota, check_weight
+from resource_manager.suspension import RUNNING, SUSPENDING, Suspension
 
 PING_TIMEOUT = 2.0
 ISLAND_CHECK_S = 1.0
@@ -70,6 +72,8 @@ class Config:
     default_quota: int | None = None
     jobs_dir: str | None = None
     job_user: str | None = None
+    suspend_dir: str | None = None  # where SIGTERM (a preemption notice) suspends the cluster to
+    suspend_timeout: float = 60.0
 
 
 @dataclass
@@ -106,6 +110,8 @@ class ResourceManager:
         self.started = time.time()
         self._lock = threading.RLock()
         self._key = runtime_key
+        self.suspension = Suspension(self)
+        self.notices = Notices(self.cluster_state)
         self.registry = Registry(config.registry_path, config.admin_digest, config.default_quota)
         implicit = config.implicit
         if implicit is not None and self.registry.get(implicit["tenant"]) is None:
@@ -165,6 +171,23 @@ class ResourceManager:
         """The runtime key's MAC for a call to host ``host`` of ``island``."""
         return auth.sign(self._key, purpose, island, host, *parts)
 
+    @property
+    def lock(self) -> threading.RLock:
+        """The lock of everything the resource manager holds."""
+        return self._lock
+
+    @property
+    def key(self) -> bytes:
+        """The runtime key (the island hosts' and the resource manager's shared secret)."""
+        return self._key
+
+    def cluster_state(self) -> dict:
+        """The cluster's phase and generation (which every suspend and resume moves on), and its islands: what a
+        client's watch is answered with."""
+        with self._lock:
+            return {"state": self.suspension.phase, "generation": self.suspension.generation,
+                    "islands": self._islands_public()}
+
     # -- what anyone may ask ------------------------------------------------------------------------------
     def ready(self) -> dict:
         """The runtime's topology and identity: what a client checks before it opens a session."""
@@ -182,6 +205,7 @@ class ResourceManager:
         """A new session for the tenant a credential (or a job's ticket) proves: (client id, session key, the
         answer the client gets: its tenant, weight, quota, budgets, the topology and the islands' hosts)."""
         with self._lock:
+            self.suspension.refuse("opening a session")
             if ticket:
                 name = self._redeem(ticket, job or "")
                 record = self.registry.get(name)
@@ -250,7 +274,7 @@ class ResourceManager:
         with self._lock:
             session = self._session(client)
             session.expires = time.monotonic() + SESSION_TTL_S
-            return {"islands": self._islands_public()}
+            return self.cluster_state()
 
     def _session(self, client: int) -> Client:
         session = self.clients.get(client)
@@ -306,6 +330,7 @@ class ResourceManager:
         """A virtual slice for the client's tenant, within its device quota."""
         with self._lock:
             tenant = self._session(client).tenant
+            self.suspension.refuse("placing a slice")
             shape_t, axes_t = tuple(shape), tuple(axes)
             where, devices = place(self.inventory, shape_t, axes_t, island)
             record = self.registry.get(tenant)
@@ -323,6 +348,7 @@ class ResourceManager:
         """Free slice ``key`` of the client's tenant."""
         with self._lock:
             tenant = self._session(client).tenant
+            self.suspension.refuse("releasing a slice")
             alloc = self.inventory.allocations.get(key)
             if alloc is None or alloc.tenant != tenant:
                 raise ResourceError(f"you hold no slice {key!r}")
@@ -344,6 +370,8 @@ class ResourceManager:
 
     def _check_islands(self, only: int | None = None) -> None:
         with self._lock:
+            if self.suspension.phase not in (RUNNING, SUSPENDING):  # no islands, or new ones starting
+                return
             islands = [i for i in self.islands if i.index not in self._restarting and only in (None, i.index)]
         for island in islands:
             refs = [h.health.remote(self.sign_for(island.index, k, "health")) for k, h in enumerate(island.hosts)]
@@ -370,12 +398,16 @@ class ResourceManager:
     def suspect(self, client: int, island: int, reason: str) -> None:
         """A client saw an island fail: check it now (the client's word alone marks nothing)."""
         self._session(client)
+        if self.suspension.phase != RUNNING:
+            return
         if not 0 <= island < len(self.islands):
             raise ResourceError(f"no island {island!r}")
         threading.Thread(target=self._check_islands, args=(island,), daemon=True).start()
 
     def _take_census(self) -> None:
         """What each island holds per tenant, kept so a restart can say what was lost."""
+        if self.suspension.phase != RUNNING:
+            return
         for island in self._healthy():
             refs = [h.census.remote(self.sign_for(island.index, k, "census")) for k, h in enumerate(island.hosts)]
             try:
@@ -417,20 +449,90 @@ class ResourceManager:
             table, handles = self._peer_table()  # every host, the new ones too, learns the new table
             self._order(self._hosts([i for i in self.islands if i.index not in self.inventory.unhealthy or i is new]),
                         table, handles)
-            for client, s in self.clients.items():
-                record = self.registry.get(s.tenant)
-                limits = record.limits if record is not None else Budgets()
-                self._order(self._hosts([new]), OpenSession(client, s.tenant, s.key, self._weight(s.tenant),
-                                                            limits.to_wire()))
-            for alloc in self.inventory.allocations.values():
-                if alloc.island == island.index:
-                    self._order(self._hosts([new])[:1], Grant(alloc.desc().to_wire(), alloc.tenant))
+            self._announce([new])
             self.inventory.unhealthy.pop(island.index, None)
             self._restarting.discard(island.index)
             self.restarts.append({"island": island.index, "epoch": new.epoch, "at": time.time(), "reason": reason,
                                   "lost": {t: list(v) for t, v in lost.items()}})
             self.restarts = self.restarts[-100:]
         log.warning("island %d restarted (epoch %d) after: %s", island.index, new.epoch, reason)
+
+    def _announce(self, islands: list[Island]) -> None:
+        """Tell new hosts every open session and the slices on their islands (the lock held)."""
+        for client, s in self.clients.items():
+            record = self.registry.get(s.tenant)
+            limits = record.limits if record is not None else Budgets()
+            self._order(self._hosts(islands), OpenSession(client, s.tenant, s.key, self._weight(s.tenant),
+                                                          limits.to_wire()))
+        for island in islands:
+            for alloc in self.inventory.allocations.values():
+                if alloc.island == island.index:
+                    self._order(self._hosts([island])[:1], Grant(alloc.desc().to_wire(), alloc.tenant))
+
+    # -- suspend and resume (``resource_manager.suspension``) ----------------------------------------------
+    def restarting(self) -> set[int]:
+        """The islands restarting after a failure now."""
+        with self._lock:
+            return set(self._restarting)
+
+    def sessions_to_wire(self) -> list[dict]:
+        """Every open session with its key: what a suspended cluster's manifest keeps."""
+        with self._lock:
+            return [{"client": c, "tenant": s.tenant, "key": s.key.hex(), "pid": s.pid, "job": s.job,
+                     "since": s.since} for c, s in self.clients.items()]
+
+    def allocations_to_wire(self) -> list[dict]:
+        """Every slice: what a suspended cluster's manifest keeps."""
+        with self._lock:
+            return [a.to_wire() for a in self.inventory.allocations.values()]
+
+    def replace_islands(self, islands: list[Island]) -> None:
+        """New hosts for every island (a resume): every host learns the peer table."""
+        with self._lock:
+            self.islands = list(islands)
+            self.inventory.unhealthy.clear()
+            self._strikes.clear()
+            self._census.clear()
+            self._order_all(self._peer_table())
+
+    def restore_sessions(self, sessions: list[dict], allocations: list[dict]) -> list[int]:
+        """A resume's sessions and slices: on this cluster, the sessions still open (those closed meanwhile stay
+        closed); on a fresh one, the saved ones whose tenant the registry still has, with a grace period for
+        their clients to reconnect. Every host then learns them; returns the saved sessions left out."""
+        now = time.monotonic()
+        with self._lock:
+            fresh = not self.clients
+            kept = set()
+            for s in sessions:
+                client, tenant = int(s["client"]), str(s["tenant"])
+                if client in self.clients:
+                    kept.add(client)
+                elif fresh and self.registry.get(tenant) is not None:
+                    self.clients[client] = Client(tenant, bytes.fromhex(s["key"]), int(s["pid"]), str(s["job"]),
+                                                  now + SESSION_TTL_S, float(s["since"]), gone_since=now)
+                    kept.add(client)
+            if fresh:
+                for a in allocations:
+                    if int(a["client"]) in kept:
+                        alloc = Allocation(str(a["key"]), str(a["tenant"]), int(a["client"]), int(a["island"]),
+                                           tuple(a["shape"]), tuple(a["axes"]), [tuple(d) for d in a["devices"]])
+                        self.inventory.allocations[alloc.key] = alloc
+            for s in self.clients.values():
+                s.expires = now + SESSION_TTL_S
+                if s.connections == 0:
+                    s.gone_since = now
+            top_client = max([0, *self.clients], default=0)
+            top_slice = max([0, *(int(k[1:]) for k in self.inventory.allocations if k[1:].isdigit())])
+            self._client_ids = itertools.count(max(next(self._client_ids), top_client + 1))
+            self._slice_ids = itertools.count(max(next(self._slice_ids), top_slice + 1))
+            self._announce(self.islands)
+            return [int(s["client"]) for s in sessions if int(s["client"]) not in kept]
+
+    def forget_restored(self) -> None:
+        """A resume into a fresh cluster failed: drop the sessions and slices it restored."""
+        with self._lock:
+            self.clients.clear()
+            self.inventory.allocations.clear()
 
     def _weight(self, tenant: str) -> float:
         record = self.registry.get(tenant)
@@ -442,11 +544,27 @@ class ResourceManager:
         if not self.registry.is_admin(credential):
             raise TenantAccessError("this operation needs the cluster's admin credential (the file `pathways up` "
                                     "wrote, readable by its owner only)")
+        slow = {"suspend": self._suspend, "resume": self._resume}  # they wait on the islands: not under the lock
         handler = self._admin_ops().get(op)
+        if op in slow:
+            return slow[op](args)
         if handler is None:
-            raise ResourceError(f"unknown admin operation {op!r}; known: {', '.join(sorted(self._admin_ops()))}")
+            known = sorted([*self._admin_ops(), *slow])
+            raise ResourceError(f"unknown admin operation {op!r}; known: {', '.join(known)}")
         with self._lock:
             return handler(args)
+
+    def _suspend(self, args: dict) -> dict:
+        directory = args.get("dir") or self.config.suspend_dir
+        if not directory:
+            raise PathwaysError("name the directory to suspend into (pathways suspend DIR), or start the runtime "
+                                "with `pathways up --suspend-dir DIR`")
+        return self.suspension.suspend(str(directory), _seconds(args.get("timeout"), self.config.suspend_timeout))
+
+    def _resume(self, args: dict) -> dict:
+        directory = args.get("dir")
+        return self.suspension.resume(str(directory) if directory else None,
+                                      _seconds(args.get("timeout"), self.config.suspend_timeout))
 
     def _admin_ops(self) -> dict[str, Any]:
         return {"tenants": lambda a: self._tenants(), "tenant_add": self._tenant_add, "tenant_set": self._tenant_set,
@@ -570,10 +688,15 @@ class ResourceManager:
             "tenants": tenants, "restarts": restarts[-20:],
             "reclaimed": [r for r in self.reclaimed if mine(r["tenant"])][-20:],
             "refusals": self.refusals[-20:] if tenant is None else [],
+            "cluster": {"state": self.suspension.phase, "generation": self.suspension.generation,
+                        **({"suspended_to": self.suspension.directory, "last": self.suspension.last}
+                           if tenant is None else {})},
         }
 
 
-def check_open(msg: Any) -> None:
-    """PathwaysError unless an open request names a credential or a ticket (one of them)."""
-    if not msg.credential and not msg.ticket:
-        raise PathwaysError("opening a session needs a credential or a job's ticket")
+def _seconds(value: Any, default: float) -> float:
+    if value is None:
+        return default
+    if not isinstance(value, int | float) or not 0 < value <= 24 * 3600:
+        raise PathwaysError(f"a timeout is a number of seconds between 0 and 86400, not {value!r}")
+    return float(value)

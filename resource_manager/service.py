@@ -29,6 +29,7 @@ from pathways.requests import (
     JobLogs,
     ListJobs,
     Open,
+    Quiesced,
     Ready,
     Release,
     Renew,
@@ -36,6 +37,7 @@ from pathways.requests import (
     StopJob,
     SubmitJob,
     Suspect,
+    Watch,
     WhoAmI,
 )
 from resource_manager.endpoint import Caller, Endpoint
@@ -58,6 +60,7 @@ class ManagerService:
             Renew: lambda c, r: rm.renew(c), Allocate: lambda c, r: rm.allocate(c, r.shape, r.axes, r.island),
             Release: lambda c, r: rm.release(c, r.slice), Close: lambda c, r: rm.close(c),
             State: lambda c, r: rm.state_of(c), Suspect: lambda c, r: rm.suspect(c, r.island, r.reason),
+            Quiesced: lambda c, r: rm.suspension.acked(c, r.generation),
         }
         self._anonymous_ops: dict[type, Callable[[Any, bytes], Any]] = {
             Ready: lambda r, d: rm.ready(), WhoAmI: lambda r, d: rm.whoami(r.tenant, r.credential),
@@ -104,6 +107,10 @@ class ManagerService:
                     conn.skip(frame.data)
                     client = self._open(conn, request, client)
                     continue
+                if isinstance(request, Watch) and client is not None:  # answered when the cluster's state changes
+                    conn.skip(frame.data)
+                    self.rm.notices.watch(conn, request.rid, request.seen)
+                    continue
                 data = b""
                 if frame.data:
                     if not isinstance(request, SubmitJob):
@@ -116,6 +123,7 @@ class ManagerService:
         except (ConnectionError, OSError, FrameError) as exc:
             log.debug("a client connection ended: %s", exc)
         finally:
+            self.rm.notices.drop(conn)
             if client is not None:
                 self.rm.connected(client, False)
 

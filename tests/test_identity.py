@@ -239,7 +239,8 @@ def test_the_actors_define_only_the_runtimes_own_calls_and_each_checks_the_runti
     assert methods(ManagerActor) == {"_check", "ready", "stop"}
     assert methods(HostActor) == {"_check", "_call_peer", "coordinator", "start", "control", "health", "stats",
                                   "census", "tenant_schedule", "probe_network", "landed", "enqueue_batch",
-                                  "deliver", "probe_direct", "release_lent", "ping"}
+                                  "deliver", "probe_direct", "release_lent", "ping", "quiesce", "quiet", "save",
+                                  "restore"}
     key = b"k" * 32
     host = HostActor(0, 0, 1, 0, 1.0, 1.0, key, "runtime")
     from pathways import auth

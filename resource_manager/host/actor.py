@@ -10,6 +10,7 @@ does can make it miss one.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections import OrderedDict
 from typing import Any
@@ -95,6 +96,26 @@ class HostActor:
         """Every tenant's island time, by name (host 0; the admin's view)."""
         self._check(mac, "tenant_schedule")
         return self._host.schedule_stats(None)
+
+    def quiesce(self, mac: bytes, on: bool) -> None:
+        """The cluster is being suspended (``on``): host 0 takes no more client batches; or it goes on."""
+        self._check(mac, "quiesce", bool(on))
+        self._host.quiescing = bool(on)
+
+    def quiet(self, mac: bytes) -> dict:
+        """Whether this host has finished what it was given (``Host.quiet``)."""
+        self._check(mac, "quiet")
+        return self._host.quiet()
+
+    def save(self, mac: bytes, directory: str) -> dict:
+        """Write this host's part of a suspended cluster into ``directory``."""
+        self._check(mac, "save", directory)
+        return self._host.save(directory)
+
+    def restore(self, mac: bytes, directory: str, part: str) -> dict:
+        """Read this host's part of a suspended cluster back (``part``: the manifest's record of it, as JSON)."""
+        self._check(mac, "restore", directory, part)
+        return self._host.restore(directory, json.loads(part))
 
     def probe_network(self, mac: bytes, island: int, host: int, nbytes: int) -> float:
         """Seconds to push ``nbytes`` raw bytes to a peer over the bare network path (for benchmarks)."""

@@ -125,6 +125,23 @@ class Admission:
             self._next.pop(client, None)
             self._early.pop(client, None)
 
+    def positions(self) -> dict[int, int]:
+        """The number of the next message of each client's stream: what a snapshot saves."""
+        with self._lock:
+            return dict(self._next)
+
+    def position(self, client: int) -> int:
+        """The number of the next message this island takes from ``client`` (a resumed client sends from there)."""
+        with self._lock:
+            return self._next.get(client, 0)
+
+    def restore(self, positions: dict[int, int]) -> None:
+        """Streams saved by a snapshot continue where they stopped; batches waiting for a gap are dropped (their
+        clients send them again)."""
+        with self._lock:
+            self._next = dict(positions)
+            self._early.clear()
+
     def waiting(self) -> int:
         """Batches waiting for an earlier message of their client's stream."""
         with self._lock:

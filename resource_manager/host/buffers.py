@@ -234,6 +234,16 @@ class BufferTable:
                 self._drop(i)
             return len(ids)
 
+    def items(self) -> list[tuple[int, str, Any]]:
+        """Every buffer as (id, tenant, value): what a snapshot saves."""
+        with self._cond:
+            return [(i, e.tenant, e.value) for i, e in self._entries.items()]
+
+    def failed_ranges(self) -> list[tuple[int, int, str, Failure]]:
+        """The id ranges of refused messages still remembered, as (lo, hi, tenant, failure)."""
+        with self._cond:
+            return list(self._failed)
+
     def clear(self) -> None:
         """Drop every buffer."""
         with self._cond:

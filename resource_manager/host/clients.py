@@ -37,6 +37,7 @@ from pathways.requests import (
     Fetch,
     HostStats,
     Ping,
+    Position,
     PutData,
     ScheduleStats,
     Stalled,
@@ -133,6 +134,7 @@ class ClientService:
             Batch: self._batch, PutData: self._put_data, Fetch: self._fetch, Stalled: self._stalled,
             Usage: self._usage, TraceStart: self._trace_start, TraceStop: self._trace_stop,
             HostStats: self._host_stats, ScheduleStats: self._schedule_stats, Ping: self._ping,
+            Position: self._position,
         }
         self.endpoint = Endpoint(identity, ip, self._caller, self._serve, anonymous=False, max_payload=MAX_MESSAGE,
                                  max_data=parts.limits.memory_bytes, name=f"host-{identity.island}.{identity.host}")
@@ -191,6 +193,16 @@ class ClientService:
             writer.answer(batch.rid, _raiser(exc))
             return
         writer.answer(batch.rid, _taken)
+
+    def _position(self, conn: Connection, writer: Writer, session: Session, request: Position, data: int) -> None:
+        conn.skip(data)
+        admission = self.parts.admission
+        if admission is None:
+            writer.answer(request.rid, _raiser(PathwaysError(f"host {self.host.index} keeps no client streams; "
+                                                             "host 0 does")))
+            return
+        position = admission.position(session.client)
+        writer.answer(request.rid, lambda: (position, []))
 
     def _put_data(self, conn: Connection, writer: Writer, session: Session, put: PutData, data: int) -> None:
         try:

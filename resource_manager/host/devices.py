@@ -28,6 +28,14 @@ class LocalDevices:
         """This host's JAX devices, in id order."""
         return self._devices.get(self.host, [])
 
+    def device(self, host: int, local: int) -> jax.Device:
+        """Device ``local`` of host ``host`` of the island (KeyError or IndexError if it has none)."""
+        return self._devices[host][local]
+
+    def locate(self, device: jax.Device) -> tuple[int, int]:
+        """The (host, local index) of one of the island's devices."""
+        return device.process_index, self._devices[device.process_index].index(device)
+
     def describe(self) -> list[str]:
         """This host's devices as 'platform:id'."""
         return [f"{d.platform}:{d.id}" for d in self.local]

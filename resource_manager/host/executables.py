@@ -74,6 +74,7 @@ class ExecutableCache:
         self._lock = threading.Lock()
         self._exported: dict[str, Any] = {}  # hash -> jax.export.Exported, shared by the tenants that sent it
         self._blobs: dict[str, dict[str, int]] = {}  # tenant -> {hash: blob bytes}
+        self._bytes: dict[str, bytes] = {}  # hash -> the blob itself (what a snapshot saves)
         self._compiled: dict[str, OrderedDict[tuple, Compiled]] = {}
         self.compiles = 0
         self.hits = 0
@@ -96,6 +97,7 @@ class ExecutableCache:
             exported = _deserialize(exe_hash, blob)
         with self._lock:
             self._exported[exe_hash] = exported
+            self._bytes[exe_hash] = bytes(blob)
             held[exe_hash] = len(blob)
 
     def has(self, tenant: str, exe_hash: str) -> bool:
@@ -110,6 +112,12 @@ class ExecutableCache:
             used = {h for blobs in self._blobs.values() for h in blobs}
             for h in [h for h in self._exported if h not in used]:
                 del self._exported[h]
+                self._bytes.pop(h, None)
+
+    def blobs(self) -> dict[str, dict[str, bytes]]:
+        """Every tenant's executables as sent, by hash: what a snapshot saves."""
+        with self._lock:
+            return {t: {h: self._bytes[h] for h in held} for t, held in self._blobs.items()}
 
     # -- compiled -----------------------------------------------------------------------------------------
     def get(self, tenant: str, exe_hash: str, mesh: Mesh, desc: SliceDesc, in_specs: Sequence[WireSpec],

@@ -22,7 +22,7 @@ import numpy as np
 
 from pathways import auth, wire
 from pathways.budgets import Budgets
-from pathways.errors import PathwaysError, TenantAccessError, WireFormatError
+from pathways.errors import ClusterSuspendedError, PathwaysError, TenantAccessError, WireFormatError
 from pathways.messages import (
     CONTROL,
     Deliver,
@@ -78,6 +78,7 @@ class Host:
         self.key: bytes | None = None
         self.parts: wiring.Parts | None = None
         self._tracers: dict[int, int] = {}
+        self.quiescing = False  # the cluster is being suspended: host 0 takes no more batches
 
     # -- start-up ---------------------------------------------------------------------------------------
     def start(self, runtime_key: bytes, runtime_id: str, coordinator: str | None, islands: int, platform: str,
@@ -183,6 +184,9 @@ class Host:
         p = self.parts
         if p.admission is None:
             raise PathwaysError(f"host {self.index} of island {self.island} takes no client messages; host 0 does")
+        if self.quiescing:
+            raise ClusterSuspendedError("the cluster is being suspended by its admin; this batch was not taken, and "
+                                        "the client sends it again once the cluster resumes")
         start = time.perf_counter()
         try:
             admitted = p.admission.accept(session.client, session.tenant, first, msgs)
@@ -248,6 +252,37 @@ class Host:
                                    f"sequence {p.inbox.next_seq} from host 0; the island's order is broken")
             except Exception:  # the maintenance thread must outlive any one mistake
                 log.exception("island %d host %d: maintenance failed", self.island, self.index)
+
+    # -- suspend and resume -----------------------------------------------------------------------------
+    def quiet(self) -> dict:
+        """Whether this host has finished everything it was given: nothing admitted but unfinished, no lent
+        shard out; with how far its share of the island's order has come (``next_seq``) and, on host 0, how
+        far the order goes (``sequenced``). The island is quiet when every host is and has caught up."""
+        p = self.parts
+        with p.cond:
+            busy = len(p.executor.runs) + len(p.executor.parked) + p.inbox.held()
+            next_seq = p.inbox.next_seq
+        out = {"island": self.island, "host": self.index, "idle": busy == 0 and p.peers.lent_bytes == 0,
+               "next_seq": next_seq, "busy": busy, "bytes": p.table.nbytes}
+        if p.scheduler is not None:
+            stats = p.scheduler.stats()
+            out["sequenced"] = stats["sequenced"]
+            out["idle"] = out["idle"] and stats["queued"] == 0 and stats["inflight"] == 0
+        return out
+
+    def save(self, directory: str) -> dict:
+        """Write this host's part of a suspended cluster into ``directory`` (the host is quiet)."""
+        from pathways.snapshot import Store
+        from resource_manager.host import snapshot
+
+        return snapshot.save(self.parts, Store(directory), self.island, self.index)
+
+    def restore(self, directory: str, part: dict) -> dict:
+        """Read this host's part of a suspended cluster back (the sessions it keeps are open already)."""
+        from pathways.snapshot import Store
+        from resource_manager.host import snapshot
+
+        return snapshot.restore(self.parts, Store(directory), part, self.island, self.index)
 
     # -- data plane ---------------------------------------------------------------------------------------
     def deliver(self, meta: bytes, pieces: tuple[np.ndarray, ...]) -> None:

@@ -117,6 +117,19 @@ class Uploads:
             for i in [i for i in self._by_id if client_of(i) == client]:
                 self._drop(i)
 
+    def saved(self) -> tuple[list[tuple[int, str, Pieces]], list[tuple[int, str, Failure]]]:
+        """What a snapshot keeps: the uploads that arrived whole (id, tenant, pieces) and the refusals."""
+        with self._lock:
+            return ([(i, u.tenant, dict(u.pieces)) for i, u in self._by_id.items() if u.pieces],
+                    [(i, t, f) for i, (t, f) in self._refused.items()])
+
+    def restore(self, buffer_id: int, tenant: str, pieces: Pieces) -> None:
+        """An upload saved by a snapshot, parked again (its tenant had it before; no budget is checked)."""
+        with self._lock:
+            nbytes = sum(int(p.nbytes) for p in pieces.values())
+            self._by_id[buffer_id] = _Upload(tenant, pieces, nbytes)
+            self._bytes[tenant] = self._bytes.get(tenant, 0) + nbytes
+
     def held(self, tenant: str) -> int:
         """Bytes ``tenant`` has parked here."""
         with self._lock:

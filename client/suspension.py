@@ -1,0 +1,86 @@
+"""What a client does while its cluster is suspended: the gate every call that sends to the islands passes.
+
+The gate is open while the cluster runs. When the admin suspends it, the session closes the gate: calls
+already dispatching finish (a program call reaches all its islands or none), new ones wait for the resume,
+at most ``pw.Timeouts.suspend`` seconds, and then fail with ClusterSuspendedError. The session reopens the
+gate once the cluster has resumed and this client's streams are back in order.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from pathways.errors import ClusterSuspendedError
+
+RUNNING = "running"
+
+
+class Gate:
+    """Whether this client may send to the islands now, and how many calls are sending."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._sending = 0
+        self.phase = RUNNING  # the cluster's phase as this client last heard it
+
+    @property
+    def open(self) -> bool:
+        """Whether the cluster runs (as far as this client knows)."""
+        return self.phase == RUNNING
+
+    @contextmanager
+    def sending(self, timeout: float, what: str) -> Iterator[None]:
+        """Hold the gate open for one call (``what``), waiting at most ``timeout`` seconds for a suspended
+        cluster to resume."""
+        with self._cond:
+            self._wait_open(timeout, what)
+            self._sending += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._sending -= 1
+                self._cond.notify_all()
+
+    def wait_open(self, timeout: float, what: str) -> None:
+        """Return once the cluster runs; ClusterSuspendedError after ``timeout`` seconds."""
+        with self._cond:
+            self._wait_open(timeout, what)
+
+    def _wait_open(self, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while self.phase != RUNNING:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise suspended_error(what, self.phase, timeout)
+            self._cond.wait(left)
+
+    def close(self, phase: str, timeout: float) -> bool:
+        """The cluster is ``phase`` (not running): let no new call send, and wait at most ``timeout`` seconds for
+        the calls sending now to finish; whether they did."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            self.phase = phase
+            while self._sending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+            return True
+
+    def reopen(self) -> None:
+        """The cluster runs again: calls that wait go on."""
+        with self._cond:
+            self.phase = RUNNING
+            self._cond.notify_all()
+
+
+def suspended_error(what: str, phase: str, waited: float | None = None) -> ClusterSuspendedError:
+    """The error a call gets while the cluster is suspended: what happened and what to do."""
+    wait = f" and did not resume within {waited:.0f}s (pw.Timeouts.suspend)" if waited else ""
+    return ClusterSuspendedError(
+        f"{what}: the cluster is {phase} by its admin{wait}. Your arrays are saved with it and stay valid: "
+        "once the admin resumes it (`pathways resume`), call again")

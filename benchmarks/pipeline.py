@@ -1,12 +1,13 @@
 """Pipeline schedules against their bubble formulas, and against data parallelism on the same devices.
 
-Model: a token-wise MLP of DEPTH residual tanh layers of width WIDTH, trained with Adam on BATCH tokens (rows)
-per step. One training step, written once for ``jax.jit`` with a ``pw.pipeline.end_stage`` mark after every
-DEPTH / S layers, runs as:
+Model: a token-wise MLP of DEPTH residual tanh layers of width WIDTH after a learned input offset (so the
+first stage computes its input gradient too, and the stages are as equal as the formulas assume), trained
+with Adam on BATCH tokens (rows) per step. One training step, written once for ``jax.jit`` with a
+``pw.pipeline.end_stage`` mark after every DEPTH / S layers, runs as:
 
   pipeline  S stages over P one-device slices, slice k on island k (v = S / P stages per slice, interleaved);
             the batch in M micro-batches; one @pw.program per step (``pw.pipeline.jit``).
-  SPMD DP   the same step on a P-device slice of one island, the batch split over the devices, gradients
+  SPMD DP   the same step on a P-device slice of island P, the batch split over the devices, gradients
             all-reduced by XLA; one pw.jit per step.
 
 Per schedule it reports:
@@ -14,15 +15,19 @@ Per schedule it reports:
 - the bubble *measured from the hosts' timelines*: each schedule's steps are traced (``pw.trace``) and, per
   step, each device's idle fraction between the step's first forward and last backward span is averaged over
   the devices (``Pipeline.measured_bubble``); next to it the schedule's formula (for ZB-H1, evaluated at the
-  forward, input-gradient and weight-gradient times measured from the same spans);
+  forward, input-gradient and weight-gradient times measured from the same spans), and the schedule replayed
+  on the formulas' cost model with each stage's measured times (so what remains between "replayed" and
+  "measured" is the runtime's own cost, moving activations and running the hosts, and the machine's noise);
 - the peak per-micro-batch state each stage's slice holds, replayed from the lowered program;
 - tokens/s against SPMD DP, medians of interleaved rounds.
 
-On a machine with fewer cores than devices the devices share the cores: a stage computes faster while
-others wait, so neither the ratio to DP nor the timelines are those of P real devices. The closing lines
-name the machine.
+On a machine with fewer cores than devices, the hosts share the cores: a stage computes faster while others
+wait, so the timelines are not those of P devices. Where it can (root and a cgroup CPU controller), the
+benchmark therefore caps every pipeline host at the same share of the cores and the DP host at P shares
+(``benchmarks.cpu_caps``): each device then computes at one fixed speed, and DP gets the same CPU as the
+pipeline. ``--no-caps`` runs without. The closing lines say which it was.
 
-    python -m benchmarks.pipeline [--quick] [--out PATH]
+    python -m benchmarks.pipeline [--quick] [--no-caps] [--out PATH]
 """
 
 from __future__ import annotations
@@ -42,18 +47,22 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 import pathways as pw
+from benchmarks import cpu_caps
 from benchmarks.common import Table, default_out, median, rate_text, write_json
+from client.pipeline import order
 
-WIDTH, DEPTH, BATCH = 512, 8, 4096
+WIDTH, DEPTH, BATCH = 1024, 8, 4096
 DEVICES = 4
 TIMEOUT_S = 300.0
 WARMUP = 2  # steps after the compiling one, before timing
-TRACED = 3  # steps traced per schedule for the bubble
+TRACED = 5  # steps traced per schedule for the bubble
+SHARE = 0.8  # of the cores, split between the devices when capping (the rest for the client and Ray)
 
 
 def make_step(per_stage: int, optimizer: optax.GradientTransformation):
     """The training step, marked every ``per_stage`` layers (0: unmarked)."""
     def model(params, x):
+        x = x + params[0]["offset"]
         for k, p in enumerate(params):
             x = x + jnp.tanh(x @ p["w"] + p["b"])
             if per_stage and k % per_stage == per_stage - 1:
@@ -73,8 +82,10 @@ def make_step(per_stage: int, optimizer: optax.GradientTransformation):
 
 def init_params(seed: int = 0) -> list[dict]:
     rng = np.random.default_rng(seed)
-    return [{"w": (rng.normal(size=(WIDTH, WIDTH)) * 0.5 / np.sqrt(WIDTH)).astype(np.float32),
-             "b": np.zeros(WIDTH, np.float32)} for _ in range(DEPTH)]
+    params = [{"w": (rng.normal(size=(WIDTH, WIDTH)) * 0.5 / np.sqrt(WIDTH)).astype(np.float32),
+               "b": np.zeros(WIDTH, np.float32)} for _ in range(DEPTH)]
+    params[0]["offset"] = np.zeros(WIDTH, np.float32)
+    return params
 
 
 @dataclass
@@ -91,6 +102,7 @@ class Row:
     bubble_per_device: list[float] | None = None
     bubble_formula: float | None = None  # the papers' model (equal F, B, W times)
     bubble_formula_at_times: float | None = None  # at the measured F, B, W times
+    bubble_replayed: float | None = None  # the schedule replayed with each stage's measured times
     times_ms: dict[str, float] = field(default_factory=dict)
     window_ms: float | None = None
     peak_bytes: list[int] | None = None
@@ -119,8 +131,7 @@ class Setup:
         self.times.append((time.perf_counter() - start) / steps)
 
 
-def data_parallel(optimizer, data) -> Setup:
-    s = pw.slice((DEVICES,), ("data",), island=0)
+def data_parallel(optimizer, data, s) -> Setup:
     fn = pw.jit(make_step(0, optimizer), slice=s, in_specs=(None, None, P("data"), P("data")),
                 out_specs=(None, None, None), name=f"dp{DEVICES}")
     params = [{k: pw.put(v, s) for k, v in p.items()} for p in init_params()]
@@ -155,27 +166,70 @@ def measure_bubble(setup: Setup) -> None:
     t = measured.times_s
     r.bubble_formula_at_times = pw.pipeline.bubble(r.schedule, r.p, r.m, r.v, t.get("F", 1.0), t.get("B", 1.0),
                                                    t.get("W", 0.0))
+    r.bubble_replayed = replayed(pw.pipeline.make(r.schedule, r.p, r.m, r.v), measured.stage_times_s)
+
+
+def replayed(schedule: pw.pipeline.Schedule, times: dict[str, float]) -> float:
+    """The schedule's idle fraction on the cost model with each stage's measured F, B and W times (a stage
+    without a W span does its weight gradients inside B), moving activations for free: what the timelines
+    would show without the runtime's own costs and the machine's noise."""
+    def cost(w: pw.pipeline.Work) -> float:
+        return times.get(f"stage{w.stage}.{w.kind}", 0.0)
+
+    done = order.emission(schedule.name, schedule.order, order.chain_deps(schedule),
+                          list(range(schedule.n_devices)), cost)
+    span = max(t.finish for t in done) - min(t.start for t in done)
+    return 1.0 - sum(t.finish - t.start for t in done) / schedule.n_devices / span
+
+
+def cap_hosts(slices: list, dp_slice: Any, cores: int) -> tuple[cpu_caps.Caps | None, str]:
+    """Cap each pipeline host at SHARE * cores / DEVICES CPUs and the DP host at DEVICES times that."""
+    caps, why = cpu_caps.Caps.start()
+    if caps is None:
+        return None, f"not capped ({why}): they share the cores"
+    spin = {}
+
+    def busy(island: int) -> None:
+        where = dp_slice if island == dp_slice.island else slices[island]
+        if island not in spin:
+            spin[island] = pw.jit(lambda a: jax.lax.fori_loop(0, 40, lambda _, b: jnp.tanh(b @ b), a), slice=where)
+        spin[island](np.eye(512, dtype=np.float32)).block_until_ready(TIMEOUT_S)
+
+    try:
+        hosts = cpu_caps.hosts_by_island([s.island for s in slices] + [dp_slice.island], busy)
+        share = SHARE * cores / DEVICES
+        for island, pid in hosts.items():
+            caps.cap(pid, share * (DEVICES if island == dp_slice.island else 1))
+    except OSError as exc:
+        caps.release()
+        return None, f"not capped (capping failed: {exc}): they share the cores"
+    return caps, f"each device capped at {share:.2f} cores ({why})"
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    parser.add_argument("--no-caps", action="store_true", help="let the hosts share the cores uncapped")
     parser.add_argument("--out", type=Path, default=default_out("pipeline"))
     args = parser.parse_args(argv)
-    rounds, steps = (4, 2) if args.quick else (8, 3)
+    rounds, steps = (3, 2) if args.quick else (6, 3)
     configs = [("gpipe", 8, 1), ("1f1b", 8, 1), ("interleaved", 8, 2), ("zb-h1", 8, 1)]
     cores = os.cpu_count() or 1
     rng = np.random.default_rng(1)
     data = tuple(rng.normal(size=(BATCH, WIDTH)).astype(np.float32) for _ in range(2))
     optimizer = optax.adam(1e-3)
     start = time.perf_counter()
-    pw.init(topology=pw.Topology(islands=DEVICES, hosts_per_island=1, devices_per_host=DEVICES),
+    pw.init(topology=pw.Topology(islands=DEVICES + 1, hosts_per_island=1, devices_per_host=DEVICES),
             timeouts=pw.Timeouts(fetch=TIMEOUT_S, op=TIMEOUT_S))
-    print(f"cluster up in {time.perf_counter() - start:.1f}s: {DEVICES} islands x 1 host x {DEVICES} CPU devices; "
+    print(f"cluster up in {time.perf_counter() - start:.1f}s: {DEVICES + 1} islands x 1 host x {DEVICES} CPU devices; "
           f"{cores} cores, load average {os.getloadavg()[0]:.2f}")
+    caps = None
     try:
         slices = [pw.slice((1,), ("x",), island=k) for k in range(DEVICES)]
-        setups = [data_parallel(optimizer, data)]
+        dp_slice = pw.slice((DEVICES,), ("data",), island=DEVICES)
+        caps, capped = (None, "not capped (--no-caps)") if args.no_caps else cap_hosts(slices, dp_slice, cores)
+        print(f"hosts: {capped}")
+        setups = [data_parallel(optimizer, data, dp_slice)]
         setups += [pipelined(name, m, v, optimizer, data, slices) for name, m, v in configs]
         for _ in range(rounds):  # round-robin, so load from elsewhere falls on every setup alike
             for setup in setups:
@@ -183,6 +237,8 @@ def main(argv: list[str] | None = None) -> dict:
         for setup in setups[1:]:
             measure_bubble(setup)
     finally:
+        if caps is not None:
+            caps.release()
         pw.shutdown()
     dp = setups[0].row
     for setup in setups:
@@ -197,13 +253,13 @@ def main(argv: list[str] | None = None) -> dict:
         return "-" if v is None else format(v, fmt)
 
     table = Table(["setup", "p", "m", "v", "ms/step", "tokens/s", "vs DP", "bubble meas", "formula",
-                   "formula at F/B/W", "per device", "F/B/W ms", "peak MiB per stage"])
+                   "formula at F/B/W", "replayed", "per device", "F/B/W ms", "peak MiB per stage"])
     for r in rows:
         pipe = r.schedule is not None
         times = "/".join(f"{r.times_ms[k]:.1f}" for k in ("F", "B", "W") if k in r.times_ms) if pipe else "-"
         table.add(r.setup, r.p, r.m if pipe else "-", r.v if pipe else "-", f"{r.step_s * 1e3:.1f}",
                   rate_text(r.tokens_per_s), num(r.ratio_to_dp, ".2f"), num(r.bubble_measured),
-                  num(r.bubble_formula), num(r.bubble_formula_at_times),
+                  num(r.bubble_formula), num(r.bubble_formula_at_times), num(r.bubble_replayed),
                   " ".join(f"{b:.2f}" for b in r.bubble_per_device) if pipe else "-", times,
                   " ".join(f"{b / 2**20:.1f}" for b in r.peak_bytes) if pipe else "-")
     print()
@@ -211,12 +267,13 @@ def main(argv: list[str] | None = None) -> dict:
           f"steps after {WARMUP + 1} warm-up steps; bubbles: medians over {TRACED} traced steps; {cores} cores, "
           f"load average now {os.getloadavg()[0]:.2f}; SPMD DP {dp.step_s * 1e3:.1f} ms/step")
     print(table.render())
-    print(f"{DEVICES} devices on {cores} cores{' (they share the cores)' if cores < DEVICES else ''}; no GPU.")
+    print(f"{DEVICES} devices on {cores} cores; hosts {capped}; no GPU.")
     for r in rows[1:]:
         formula = r.bubble_formula_at_times if r.schedule == "zb-h1" else r.bubble_formula
         print(f"pipeline {r.schedule} p={r.p} m={r.m} v={r.v}: bubble measured {r.bubble_measured:.3f} "
               f"(formula {formula:.3f}), tokens/s vs DP {r.ratio_to_dp:.2f}")
-    payload = {"model": {"width": WIDTH, "depth": DEPTH, "batch": BATCH}, "rows": [asdict(r) for r in rows]}
+    payload = {"model": {"width": WIDTH, "depth": DEPTH, "batch": BATCH}, "hosts": capped,
+               "rows": [asdict(r) for r in rows]}
     path = write_json(args.out, payload)
     print(f"wrote {path}")
     return payload

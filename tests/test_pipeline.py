@@ -196,9 +196,15 @@ def test_pipeline_replicas_across_islands(cluster):
         ref_loss, ref = jax.value_and_grad(loss_fn)(params0, x, y)
         np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
         assert_close_trees(grads, ref)
-        graph = step.graph(params0, optax.sgd(1.0).init(params0), x, y)
+        graph = step.step.last_graph
         ran = {(n.name, n.slice.island) for n in graph.nodes if type(n).__name__ == "Compute"}
         assert {("stage1.F", 0), ("stage1.F", 1), ("stage0.update", 0), ("stage0.update", 1)} <= ran
+        # the next step reads each replica's own copy of the parameters: none moves between islands
+        step(new, optax.sgd(1.0).init(params0), x, y)
+        graph = step.step.last_graph
+        inputs = {v.slot for v in graph.inputs}
+        moved = [n for n in graph.nodes if type(n).__name__ == "Transfer" and n.source.slot in inputs]
+        assert not moved, [(n.source.describe(), n.source.slice.key, n.target.slice.key) for n in moved]
     finally:
         for rep in slices:
             for s in rep:

@@ -4,10 +4,12 @@ follow its bound."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 import pathways as pw
-from client.pipeline import order, schedules
+from client.pipeline import order, schedules, timeline
 
 CONFIGS = [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("1f1b", 3, 5, 1), ("interleaved", 4, 8, 2),
            ("interleaved", 2, 6, 3), ("interleaved", 4, 4, 2), ("zb-h1", 4, 8, 1), ("zb-h1", 3, 2, 1)]
@@ -95,3 +97,33 @@ def test_bad_schedules_raise_clear_errors():
         pw.pipeline.make("interleaved", 4, 6, 2)
     with pytest.raises(pw.ProgramError, match="runs one stage per slice, but the step marks 8 stages for 4"):
         pw.pipeline.make("1f1b", 4, 8, 2)
+
+
+def chrome_trace(schedule: schedules.Schedule, steps: int, island_of: list[int], times: dict) -> dict:
+    """What pw.trace writes for ``steps`` steps run exactly on the cost model: one exec span per piece of work,
+    each island's fragment numbered by step, other ops (a receive) between them."""
+    done = order.emission(schedule.name, schedule.order, order.chain_deps(schedule), island_of,
+                          lambda w: times[w.kind])
+    span = max(t.finish for t in done)
+    events = []
+    for step in range(steps):
+        base = step * (span + 5.0)
+        for t in done:
+            events.append({"ph": "X", "cat": "exec", "pid": 100 + island_of[t.lane], "tid": 0,
+                           "name": f"stage{t.work.stage}.{t.work.kind}", "ts": (base + t.start) * 1e6,
+                           "dur": (t.finish - t.start) * 1e6, "args": {"seq": 10 + step}})
+            events.append({"ph": "X", "cat": "recv", "pid": 100 + island_of[t.lane], "tid": 0, "name": "recv",
+                           "ts": (base + t.start) * 1e6, "dur": 1.0, "args": {"seq": 10 + step}})
+    return {"traceEvents": events}
+
+
+@pytest.mark.parametrize("name,p,m,v", [("1f1b", 4, 8, 1), ("interleaved", 2, 4, 2), ("zb-h1", 4, 8, 1)])
+def test_the_bubble_read_off_timelines_is_the_formula_on_the_cost_model(name, p, m, v):
+    s = pw.pipeline.make(name, p, m, v)
+    times = {"F": 1.0, "B": 1.0 if name == "zb-h1" else 2.0, "W": 1.0}
+    lanes = timeline.lanes_of([[SimpleNamespace(island=d) for d in range(p)]], p * v)  # slice k on island k
+    measured = timeline.measure(chrome_trace(s, 2, list(range(p)), times), lanes)
+    assert measured.steps == 2 and measured.bubble == pytest.approx(s.bubble(), abs=1e-9)
+    assert measured.times_s["F"] == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="no complete step"):
+        timeline.measure({"traceEvents": []}, lanes)

@@ -14,6 +14,7 @@ across each replica's slices, and whatever sharding each slice's PartitionSpecs 
 
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from client.array import Array
 from client.host_values import broadcast_specs
 from client.jit import CompiledFunction
 from client.jit import jit as pw_jit
@@ -84,6 +86,7 @@ class Pipeline:
         self.name = name
         self._plans: dict[Any, Plan] = {}
         self._last: Plan | None = None
+        self._copies: dict[int, list[Array]] = {}  # a first-replica array's id -> the other replicas' copies
         self.step = ProgramFunction(self._body, name=f"pipeline_{name}")
 
     @property
@@ -92,7 +95,19 @@ class Pipeline:
         return self.replicas[0]
 
     def __call__(self, *args: Any) -> Any:
-        return self.step(*args)
+        if len(self.replicas) == 1:
+            return self.step(*args)
+        # Every replica keeps its own copy of the state: the outputs are the first replica's arrays, and the
+        # other replicas' copies of each are remembered here and passed back in when it is.
+        leaves = jax.tree_util.tree_leaves(args)
+        others = tuple({k: self._copies[id(x)][r] for k, x in enumerate(leaves)
+                        if isinstance(x, Array) and id(x) in self._copies} for r in range(len(self.replicas) - 1))
+        outputs, copies = self.step(*args, copies=others)
+        for k, out in enumerate(jax.tree_util.tree_leaves(outputs)):
+            if isinstance(out, Array) and id(out) not in self._copies:
+                self._copies[id(out)] = [rep[k] for rep in copies]
+                weakref.finalize(out, self._copies.pop, id(out), None)
+        return outputs
 
     def graph(self, *args: Any) -> Any:
         """The ``pw.Program`` one step traces to for these arguments."""
@@ -285,12 +300,14 @@ class Pipeline:
         return fn if replica else plan.fns[(key, acc)]
 
     # -- the traced step --------------------------------------------------------------------------
-    def _body(self, *args: Any, recorder: Recorder | None = None) -> Any:
+    def _body(self, *args: Any, copies: tuple = (), recorder: Recorder | None = None) -> Any:
         leaves, treedef = jax.tree_util.tree_flatten(args)
         plan = self._plan([_abstract(x) for x in leaves], treedef)
         split, graph, schedule = plan.split, plan.split.graph, plan.schedule
         n_rep, p = len(self.replicas), schedule.n_devices
         inputs = {graph.inputs[j]: leaves[k] for j, k in enumerate(plan.arrays)}
+        copies = copies or ({},) * (n_rep - 1)  # each replica's own copy of an input, where it has one
+        own = [{graph.inputs[j]: rep[k] for j, k in enumerate(plan.arrays) if k in rep} for rep in ({}, *copies)]
         batch_of = {graph.inputs[j]: leaves[k] for j, k in plan.batch.items()}
         values: dict[tuple[int, int | None, int], Any] = {}
         sums: dict[tuple[tuple, int], list] = {}
@@ -310,7 +327,7 @@ class Pipeline:
                         recorder.note(tag, [], 1)
                 return values[key]
             if v in inputs:
-                return inputs[v]
+                return own[r].get(v, inputs[v])
             return values[(v, micro if v in split.per_micro else None, r)]
 
         for timed in plan.emitted:
@@ -341,12 +358,16 @@ class Pipeline:
                 outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
                 for v, value in zip(task.outs, outs):
                     values[(v, None, r)] = value
-        result = []
-        for out in graph.outputs:
-            if isinstance(out, Const):  # split_step refuses these; kept for the type checker
-                raise ProgramError(f"pw.pipeline.jit({self.name}): the step returns a constant")
-            result.append(inputs[out] if out in inputs else values[(out, None, 0)])
-        return jax.tree_util.tree_unflatten(graph.out_tree, result)
+        results = []
+        for r in range(n_rep):
+            result = []
+            for out in graph.outputs:
+                if isinstance(out, Const):  # split_step refuses these; kept for the type checker
+                    raise ProgramError(f"pw.pipeline.jit({self.name}): the step returns a constant")
+                result.append(own[r].get(out, inputs[out]) if out in inputs else values[(out, None, r)])
+            results.append(result)
+        outputs = jax.tree_util.tree_unflatten(graph.out_tree, results[0])
+        return outputs if n_rep == 1 else (outputs, results[1:])
 
 
 def _abstract(x: Any) -> Any:

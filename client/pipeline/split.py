@@ -177,7 +177,7 @@ def split_step(graph: StepGraph, batch_leaves: set[int], split_weights: bool, na
     for i, e in enumerate(eqns):
         if micro_eq[i] or not any(v in dep for v in e.outs):
             continue
-        s = min((-_size(graph, a), stage[a]) for a in _vars(e.ins) if a in stage)[1]
+        s = min(((-_size(graph, a), stage[a]) for a in _vars(e.ins) if a in stage), default=(0, 0))[1]
         lv = max((level[a] + (stage[a] != s) for a in _vars(e.ins) if a in level), default=0)
         for out in e.outs:
             stage[out], level[out] = s, lv
@@ -195,7 +195,7 @@ def split_step(graph: StepGraph, batch_leaves: set[int], split_weights: bool, na
                                    f"{tuple(graph.avals[out].shape)} at the micro-batch size); a pipelined step "
                                    "returns what it reduces over the batch (a mean, such as the loss)")
             s = stage[out]
-        else:  # computed from no batch value (a step counter's next value): on its inputs' stage
+        else:  # computed from no batch value (a step counter's next value): on the first stage
             s = 0
         tasks.setdefault((s, "U", 0), Task(s, "U", 0))
         returns[(s, "U", 0)].append(out)

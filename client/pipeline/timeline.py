@@ -37,6 +37,7 @@ class MeasuredBubble:
     window_s: float  # from the first forward to the last backward of a step
     times_s: dict[str, float]  # median duration of one F, B and W span (absent kinds left out)
     steps: int
+    stage_times_s: dict[str, float]  # median duration per computation, by name ("stage2.W")
 
 
 def measure(trace: str | os.PathLike | dict, lanes: Sequence[Lane]) -> MeasuredBubble:
@@ -69,6 +70,7 @@ def measure(trace: str | os.PathLike | dict, lanes: Sequence[Lane]) -> MeasuredB
                          "them to finish inside the pw.trace block")
     bubbles, windows, per_device = [], [], []
     durations: dict[str, list[float]] = defaultdict(list)
+    by_name: dict[str, list[float]] = defaultdict(list)
     for step in range(n_steps):
         busy = [0.0] * len(lanes)
         first, last = float("inf"), float("-inf")
@@ -77,6 +79,7 @@ def measure(trace: str | os.PathLike | dict, lanes: Sequence[Lane]) -> MeasuredB
                 busy[lane_of[(island, name)]] += dur
                 first, last = min(first, start), max(last, start + dur)
                 durations[name.rsplit(".", 1)[1]].append(dur)
+                by_name[name].append(dur)
         window = last - first
         idle = [1.0 - b / window for b in busy]
         per_device.append(idle)
@@ -85,7 +88,7 @@ def measure(trace: str | os.PathLike | dict, lanes: Sequence[Lane]) -> MeasuredB
     return MeasuredBubble(statistics.median(bubbles),
                           tuple(statistics.median(d[k] for d in per_device) for k in range(len(lanes))),
                           statistics.median(windows), {k: statistics.median(v) for k, v in durations.items()},
-                          n_steps)
+                          n_steps, {k: statistics.median(v) for k, v in by_name.items()})
 
 
 def lanes_of(replicas: Sequence[Sequence[Any]], n_stages: int) -> list[Lane]:

@@ -1,0 +1,100 @@
+"""The bubble of a pipelined step measured from the hosts' timelines (a ``pw.trace`` file).
+
+Each host records a span per computation it runs. For each step and each device of the pipeline, the
+device's busy time is the sum of its stages' forward, backward and weight-gradient spans; the step's window
+runs from the first such span on any device to the last one. The bubble is the idle fraction of the window,
+averaged over the devices: what the schedules' formulas predict for devices that work at a fixed speed
+and move activations for free.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+KINDS = ("F", "B", "W")
+
+
+@dataclass(frozen=True)
+class Lane:
+    """One device of one pipeline replica: its island (a process of the trace) and its stages."""
+
+    island: int
+    stages: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class MeasuredBubble:
+    """What the timelines say, as medians over the traced steps."""
+
+    bubble: float  # idle fraction of the step window, averaged over the devices
+    per_device: tuple[float, ...]
+    window_s: float  # from the first forward to the last backward of a step
+    times_s: dict[str, float]  # median duration of one F, B and W span (absent kinds left out)
+    steps: int
+    stage_times_s: dict[str, float]  # median duration per computation, by name ("stage2.W")
+
+
+def measure(trace: str | os.PathLike | dict, lanes: Sequence[Lane]) -> MeasuredBubble:
+    """The bubble of every step in ``trace`` (a ``pw.trace`` file or its loaded JSON) for these devices.
+
+    Spans are matched by name (``stage3.B``) and island; a step is one fragment per island (its ``seq``), the
+    k-th traced step being each island's k-th fragment among the pipeline's spans.
+    """
+    if not isinstance(trace, dict):
+        with open(trace) as f:
+            trace = json.load(f)
+    lane_of: dict[tuple[int, str], int] = {}
+    for k, lane in enumerate(lanes):
+        for s in lane.stages:
+            for kind in KINDS:
+                lane_of[(lane.island, f"stage{s}.{kind}")] = k
+    spans: dict[tuple[int, int], list[tuple[float, float, str]]] = defaultdict(list)  # (island, seq) -> spans
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") != "X" or e.get("cat") != "exec":
+            continue
+        island = e.get("pid", 0) - 100
+        if (island, e.get("name")) in lane_of:
+            spans[(island, e.get("args", {}).get("seq", -1))].append((e["ts"] * 1e-6, e["dur"] * 1e-6, e["name"]))
+    by_island: dict[int, list[int]] = defaultdict(list)
+    for island, seq in sorted(spans):
+        by_island[island].append(seq)
+    n_steps = min((len(v) for v in by_island.values()), default=0)
+    if not n_steps or set(by_island) != {lane.island for lane in lanes}:
+        raise ValueError("the trace holds no complete step of this pipeline: trace whole steps, and wait for "
+                         "them to finish inside the pw.trace block")
+    bubbles, windows, per_device = [], [], []
+    durations: dict[str, list[float]] = defaultdict(list)
+    by_name: dict[str, list[float]] = defaultdict(list)
+    for step in range(n_steps):
+        busy = [0.0] * len(lanes)
+        first, last = float("inf"), float("-inf")
+        for island, seqs in by_island.items():
+            for start, dur, name in spans[(island, seqs[step])]:
+                busy[lane_of[(island, name)]] += dur
+                first, last = min(first, start), max(last, start + dur)
+                durations[name.rsplit(".", 1)[1]].append(dur)
+                by_name[name].append(dur)
+        window = last - first
+        idle = [1.0 - b / window for b in busy]
+        per_device.append(idle)
+        bubbles.append(sum(idle) / len(idle))
+        windows.append(window)
+    return MeasuredBubble(statistics.median(bubbles),
+                          tuple(statistics.median(d[k] for d in per_device) for k in range(len(lanes))),
+                          statistics.median(windows), {k: statistics.median(v) for k, v in durations.items()},
+                          n_steps, {k: statistics.median(v) for k, v in by_name.items()})
+
+
+def lanes_of(replicas: Sequence[Sequence[Any]], n_stages: int) -> list[Lane]:
+    """The lanes of a pipeline: per replica, per slice, its island and the stages it runs (s mod p)."""
+    out = []
+    for slices in replicas:
+        p = len(slices)
+        out += [Lane(s.island, tuple(range(d, n_stages, p))) for d, s in enumerate(slices)]
+    return out

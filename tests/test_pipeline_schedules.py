@@ -1,0 +1,129 @@
+"""Pipeline schedules as data (client/pipeline/schedules.py, order.py): each runs every piece of work once, in an
+order the data allows; on the papers' cost model its idle fraction is its formula; the activations it holds
+follow its bound."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+import pathways as pw
+from client.pipeline import order, schedules, timeline
+
+CONFIGS = [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("1f1b", 3, 5, 1), ("interleaved", 4, 8, 2),
+           ("interleaved", 2, 6, 3), ("interleaved", 4, 4, 2), ("zb-h1", 4, 8, 1), ("zb-h1", 3, 2, 1)]
+
+
+def simulate(schedule: schedules.Schedule, t_f=1.0, t_b=1.0, t_w=1.0) -> float:
+    """The idle fraction per device of ``schedule`` on the cost model (one device per island; B without W takes
+    t_b + t_w)."""
+    split = schedule.split_weights
+    times = {"F": t_f, "B": t_b if split else t_b + t_w, "W": t_w}
+    done = order.emission(schedule.name, schedule.order, order.chain_deps(schedule),
+                          list(range(schedule.n_devices)), lambda w: times[w.kind])
+    span = max(t.finish for t in done) - min(t.start for t in done)
+    busy = sum(t.finish - t.start for t in done) / schedule.n_devices
+    return 1 - busy / span
+
+
+@pytest.mark.parametrize("name,p,m,v", CONFIGS)
+def test_every_work_runs_once_on_its_device_in_data_order(name, p, m, v):
+    s = pw.pipeline.make(name, p, m, v)
+    kinds = ("F", "B", "W") if name == "zb-h1" else ("F", "B")
+    seen = [w for seq in s.order for w in seq]
+    assert sorted(seen, key=repr) == sorted([schedules.Work(k, st, i) for k in kinds for st in range(p * v)
+                                             for i in range(m)], key=repr)
+    for d, seq in enumerate(s.order):
+        assert all(s.device_of(w.stage) == d for w in seq)
+        pos = {w: k for k, w in enumerate(seq)}
+        for w in seq:  # a micro-batch's F before its B before its W, on each stage
+            if w.kind != "F":
+                assert pos[schedules.Work("F", w.stage, w.micro)] < pos[w]
+            if w.kind == "W":
+                assert pos[schedules.Work("B", w.stage, w.micro)] < pos[w]
+
+
+@pytest.mark.parametrize("name,p,m,v", [c for c in CONFIGS if c[2] >= c[1]])  # ZB-H1's formula needs m >= p
+def test_idle_fraction_on_the_cost_model_is_the_formula(name, p, m, v):
+    s = pw.pipeline.make(name, p, m, v)
+    assert simulate(s) == pytest.approx(s.bubble(), abs=1e-9)
+    if name == "zb-h1":  # the formula's dependence on the three times holds too
+        assert simulate(s, 1.0, 1.5, 0.5) == pytest.approx(s.bubble(1.0, 1.5, 0.5), abs=1e-9)
+
+
+def test_formulas_cut_the_bubble_as_the_papers_say():
+    one = pw.pipeline.bubble("1f1b", 4, 8)
+    assert one == pytest.approx(3 / 11) and pw.pipeline.bubble("gpipe", 4, 8) == one
+    assert pw.pipeline.bubble("interleaved", 4, 8, 2) == pytest.approx(3 / 19)  # (p-1)/(vm) of the ideal time
+    zb = pw.pipeline.bubble("zb-h1", 4, 8)
+    # ZB-H1's idle time is a third of 1F1B's when F, B and W take the same time
+    assert zb / (1 - zb) == pytest.approx(one / (1 - one) / 3)
+
+
+@pytest.mark.parametrize("p,m", [(2, 8), (4, 8), (4, 16), (3, 3)])
+def test_in_flight_bounds(p, m):
+    assert [pw.pipeline.make("gpipe", p, m).in_flight(d) for d in range(p)] == [m] * p
+    assert [pw.pipeline.make("1f1b", p, m).in_flight(d) for d in range(p)] == [min(p - d, m) for d in range(p)]
+    assert max(pw.pipeline.make("zb-h1", p, m).in_flight(d) for d in range(p)) <= p
+    if m % p == 0:
+        inter = pw.pipeline.make("interleaved", p, m, 2)
+        # Megatron's warm-up: device d holds 2(p-d-1) + (v-1)p + 1 chunk-micro-batches at most
+        want = [2 * m if m == p else min(2 * (p - d - 1) + p + 1, 2 * m) for d in range(p)]  # m = p: all warm-up
+        assert [inter.in_flight(d) for d in range(p)] == want
+
+
+def test_zb_h1_defers_weight_passes_into_the_drain():
+    s = pw.pipeline.make("zb-h1", 4, 8)
+    last = s.order[3]
+    assert [w.kind for w in last[:6]] == ["F", "B"] * 3  # the last device defers its first p-1 W
+    assert [w.kind for w in last[-3:]] == ["W"] * 3
+    assert [w.kind for w in s.order[0][:3]] == ["F"] * 3  # the first device warms up as in 1F1B
+
+
+def test_emission_refuses_an_order_the_data_contradicts():
+    s = pw.pipeline.make("1f1b", 2, 2)
+    backwards = schedules.Schedule("1f1b", 2, 1, 2, (tuple(reversed(s.order[0])), s.order[1]))
+    with pytest.raises(pw.ProgramError, match="deadlocks"):
+        order.emission("1f1b", backwards.order, order.chain_deps(backwards), [0, 1], lambda w: 1.0)
+
+
+def test_bad_schedules_raise_clear_errors():
+    with pytest.raises(pw.ProgramError, match="unknown pipeline schedule 'eager'"):
+        pw.pipeline.make("eager", 2, 4)
+    with pytest.raises(pw.ProgramError, match="n_micro must be a positive int"):
+        pw.pipeline.make("1f1b", 2, 0)
+    with pytest.raises(pw.ProgramError, match="must be a multiple of the number of slices"):
+        pw.pipeline.make("interleaved", 4, 6, 2)
+    with pytest.raises(pw.ProgramError, match="runs one stage per slice, but the step marks 8 stages for 4"):
+        pw.pipeline.make("1f1b", 4, 8, 2)
+
+
+def chrome_trace(schedule: schedules.Schedule, steps: int, island_of: list[int], times: dict) -> dict:
+    """What pw.trace writes for ``steps`` steps run exactly on the cost model: one exec span per piece of work,
+    each island's fragment numbered by step, other ops (a receive) between them."""
+    done = order.emission(schedule.name, schedule.order, order.chain_deps(schedule), island_of,
+                          lambda w: times[w.kind])
+    span = max(t.finish for t in done)
+    events = []
+    for step in range(steps):
+        base = step * (span + 5.0)
+        for t in done:
+            events.append({"ph": "X", "cat": "exec", "pid": 100 + island_of[t.lane], "tid": 0,
+                           "name": f"stage{t.work.stage}.{t.work.kind}", "ts": (base + t.start) * 1e6,
+                           "dur": (t.finish - t.start) * 1e6, "args": {"seq": 10 + step}})
+            events.append({"ph": "X", "cat": "recv", "pid": 100 + island_of[t.lane], "tid": 0, "name": "recv",
+                           "ts": (base + t.start) * 1e6, "dur": 1.0, "args": {"seq": 10 + step}})
+    return {"traceEvents": events}
+
+
+@pytest.mark.parametrize("name,p,m,v", [("1f1b", 4, 8, 1), ("interleaved", 2, 4, 2), ("zb-h1", 4, 8, 1)])
+def test_the_bubble_read_off_timelines_is_the_formula_on_the_cost_model(name, p, m, v):
+    s = pw.pipeline.make(name, p, m, v)
+    times = {"F": 1.0, "B": 1.0 if name == "zb-h1" else 2.0, "W": 1.0}
+    lanes = timeline.lanes_of([[SimpleNamespace(island=d) for d in range(p)]], p * v)  # slice k on island k
+    measured = timeline.measure(chrome_trace(s, 2, list(range(p)), times), lanes)
+    assert measured.steps == 2 and measured.bubble == pytest.approx(s.bubble(), abs=1e-9)
+    assert measured.times_s["F"] == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="no complete step"):
+        timeline.measure({"traceEvents": []}, lanes)

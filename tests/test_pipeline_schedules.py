@@ -99,31 +99,59 @@ def test_bad_schedules_raise_clear_errors():
         pw.pipeline.make("1f1b", 4, 8, 2)
 
 
-def chrome_trace(schedule: schedules.Schedule, steps: int, island_of: list[int], times: dict) -> dict:
-    """What pw.trace writes for ``steps`` steps run exactly on the cost model: one exec span per piece of work,
-    each island's fragment numbered by step, other ops (a receive) between them."""
-    done = order.emission(schedule.name, schedule.order, order.chain_deps(schedule), island_of,
-                          lambda w: times[w.kind])
+def chrome_trace(schedule: schedules.Schedule, steps: int, lanes: list[timeline.Lane], times: dict,
+                 hosts: int = 1) -> dict:
+    """What pw.trace writes for ``steps`` steps run exactly on the cost model: one exec span per piece of work
+    and host of its slice, naming the slice, each island's fragment numbered by step, other ops (a receive)
+    between them. ``lanes`` lists every replica's devices; replica r runs the schedule on lanes r*p..r*p+p-1."""
+    p = schedule.n_devices
+    order_of = [schedule.order[k % p] for k in range(len(lanes))]
+
+    def deps(lane, w):
+        return [(lane - lane % p + d, b) for d, b in order.chain_deps(schedule)(lane, w)]
+
+    done = order.emission(schedule.name, order_of, deps, [lane.island for lane in lanes], lambda w: times[w.kind])
     span = max(t.finish for t in done)
     events = []
     for step in range(steps):
         base = step * (span + 5.0)
         for t in done:
-            events.append({"ph": "X", "cat": "exec", "pid": 100 + island_of[t.lane], "tid": 0,
-                           "name": f"stage{t.work.stage}.{t.work.kind}", "ts": (base + t.start) * 1e6,
-                           "dur": (t.finish - t.start) * 1e6, "args": {"seq": 10 + step}})
-            events.append({"ph": "X", "cat": "recv", "pid": 100 + island_of[t.lane], "tid": 0, "name": "recv",
+            lane = lanes[t.lane]
+            for host in range(hosts):
+                events.append({"ph": "X", "cat": "exec", "pid": 100 + lane.island, "tid": host,
+                               "name": f"stage{t.work.stage}.{t.work.kind}", "ts": (base + t.start) * 1e6,
+                               "dur": (t.finish - t.start) * 1e6, "args": {"seq": 10 + step, "slice": lane.slice}})
+            events.append({"ph": "X", "cat": "recv", "pid": 100 + lane.island, "tid": 0, "name": "recv",
                            "ts": (base + t.start) * 1e6, "dur": 1.0, "args": {"seq": 10 + step}})
     return {"traceEvents": events}
+
+
+def pipeline_lanes(replicas: int, p: int, n_stages: int, islands: int) -> list[timeline.Lane]:
+    """The lanes of ``replicas`` pipelines of p slices each, slice d of every replica on island d mod islands."""
+    made = [[SimpleNamespace(island=d % islands, key=f"r{r}d{d}") for d in range(p)] for r in range(replicas)]
+    return timeline.lanes_of(made, n_stages)
 
 
 @pytest.mark.parametrize("name,p,m,v", [("1f1b", 4, 8, 1), ("interleaved", 2, 4, 2), ("zb-h1", 4, 8, 1)])
 def test_the_bubble_read_off_timelines_is_the_formula_on_the_cost_model(name, p, m, v):
     s = pw.pipeline.make(name, p, m, v)
     times = {"F": 1.0, "B": 1.0 if name == "zb-h1" else 2.0, "W": 1.0}
-    lanes = timeline.lanes_of([[SimpleNamespace(island=d) for d in range(p)]], p * v)  # slice k on island k
-    measured = timeline.measure(chrome_trace(s, 2, list(range(p)), times), lanes)
+    lanes = pipeline_lanes(1, p, p * v, p)  # slice k on island k
+    measured = timeline.measure(chrome_trace(s, 2, lanes, times), lanes)
     assert measured.steps == 2 and measured.bubble == pytest.approx(s.bubble(), abs=1e-9)
     assert measured.times_s["F"] == pytest.approx(1.0)
     with pytest.raises(ValueError, match="no complete step"):
         timeline.measure({"traceEvents": []}, lanes)
+
+
+def test_replicas_sharing_islands_and_slices_over_several_hosts_keep_their_lanes():
+    """Two replicas of a 2-device pipeline whose slices share the same two islands (each island then runs two
+    devices' work, one after the other), their slices spanning two hosts: every device's busy time is its own
+    spans', counted once."""
+    s = pw.pipeline.make("1f1b", 2, 4)
+    lanes = pipeline_lanes(2, 2, 2, 2)
+    measured = timeline.measure(chrome_trace(s, 1, lanes, {"F": 1.0, "B": 2.0}, hosts=2), lanes)
+    # each device computes 4 x (1 + 2) = 12 of the window; both replicas' devices alike
+    window = measured.window_s
+    assert [round((1 - b) * window, 9) for b in measured.per_device] == [12.0] * 4
+    assert measured.per_device[0] == pytest.approx(measured.per_device[2])

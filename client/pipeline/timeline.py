@@ -1,8 +1,10 @@
 """The bubble of a pipelined step measured from the hosts' timelines (a ``pw.trace`` file).
 
-Each host records a span per computation it runs. For each step and each device of the pipeline, the
-device's busy time is the sum of its stages' forward, backward and weight-gradient spans; the step's window
-runs from the first such span on any device to the last one. The bubble is the idle fraction of the window,
+Each host records a span per computation it runs, naming the slice it ran on. For each step and each device
+of the pipeline (one slice of one replica), the device's busy time is the time covered by its stages'
+forward, backward and weight-gradient spans (the hosts of a slice that spans several run each computation
+at once: their spans overlap and count once); the step's window runs from the first such span on any
+device to the last one. The bubble is the idle fraction of the window,
 averaged over the devices: what the schedules' formulas predict for devices that work at a fixed speed
 and move activations for free.
 """
@@ -22,9 +24,10 @@ KINDS = ("F", "B", "W")
 
 @dataclass(frozen=True)
 class Lane:
-    """One device of one pipeline replica: its island (a process of the trace) and its stages."""
+    """One device of one pipeline replica: its island (a process of the trace), its slice and its stages."""
 
     island: int
+    slice: str
     stages: tuple[int, ...]
 
 
@@ -43,24 +46,28 @@ class MeasuredBubble:
 def measure(trace: str | os.PathLike | dict, lanes: Sequence[Lane]) -> MeasuredBubble:
     """The bubble of every step in ``trace`` (a ``pw.trace`` file or its loaded JSON) for these devices.
 
-    Spans are matched by name (``stage3.B``) and island; a step is one fragment per island (its ``seq``), the
-    k-th traced step being each island's k-th fragment among the pipeline's spans.
+    Spans are matched by name (``stage3.B``) and slice, so replicas whose slices share an island keep their
+    own lanes; a step is one fragment per island (its ``seq``), the k-th traced step being each island's k-th
+    fragment among the pipeline's spans.
     """
     if not isinstance(trace, dict):
         with open(trace) as f:
             trace = json.load(f)
-    lane_of: dict[tuple[int, str], int] = {}
+    lane_of: dict[tuple[str, str], int] = {}
     for k, lane in enumerate(lanes):
         for s in lane.stages:
             for kind in KINDS:
-                lane_of[(lane.island, f"stage{s}.{kind}")] = k
-    spans: dict[tuple[int, int], list[tuple[float, float, str]]] = defaultdict(list)  # (island, seq) -> spans
+                lane_of[(lane.slice, f"stage{s}.{kind}")] = k
+    # (island, seq) -> (start, duration, name, lane)
+    spans: dict[tuple[int, int], list[tuple[float, float, str, int]]] = defaultdict(list)
     for e in trace.get("traceEvents", []):
         if e.get("ph") != "X" or e.get("cat") != "exec":
             continue
-        island = e.get("pid", 0) - 100
-        if (island, e.get("name")) in lane_of:
-            spans[(island, e.get("args", {}).get("seq", -1))].append((e["ts"] * 1e-6, e["dur"] * 1e-6, e["name"]))
+        args = e.get("args", {})
+        lane = lane_of.get((args.get("slice"), e.get("name")))
+        if lane is not None:
+            spans[(e.get("pid", 0) - 100, args.get("seq", -1))].append(
+                (e["ts"] * 1e-6, e["dur"] * 1e-6, e["name"], lane))
     by_island: dict[int, list[int]] = defaultdict(list)
     for island, seq in sorted(spans):
         by_island[island].append(seq)
@@ -72,14 +79,15 @@ def measure(trace: str | os.PathLike | dict, lanes: Sequence[Lane]) -> MeasuredB
     durations: dict[str, list[float]] = defaultdict(list)
     by_name: dict[str, list[float]] = defaultdict(list)
     for step in range(n_steps):
-        busy = [0.0] * len(lanes)
-        first, last = float("inf"), float("-inf")
+        intervals: list[list[tuple[float, float]]] = [[] for _ in lanes]
         for island, seqs in by_island.items():
-            for start, dur, name in spans[(island, seqs[step])]:
-                busy[lane_of[(island, name)]] += dur
-                first, last = min(first, start), max(last, start + dur)
+            for start, dur, name, lane in spans[(island, seqs[step])]:
+                intervals[lane].append((start, start + dur))
                 durations[name.rsplit(".", 1)[1]].append(dur)
                 by_name[name].append(dur)
+        first = min(a for lane in intervals for a, _ in lane)
+        last = max(b for lane in intervals for _, b in lane)
+        busy = [covered(lane) for lane in intervals]
         window = last - first
         idle = [1.0 - b / window for b in busy]
         per_device.append(idle)
@@ -91,10 +99,20 @@ def measure(trace: str | os.PathLike | dict, lanes: Sequence[Lane]) -> MeasuredB
                           n_steps, {k: statistics.median(v) for k, v in by_name.items()})
 
 
+def covered(intervals: list[tuple[float, float]]) -> float:
+    """The time the union of ``intervals`` covers."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
 def lanes_of(replicas: Sequence[Sequence[Any]], n_stages: int) -> list[Lane]:
-    """The lanes of a pipeline: per replica, per slice, its island and the stages it runs (s mod p)."""
+    """The lanes of a pipeline: per replica, per slice, its island, its key and the stages it runs (s mod p)."""
     out = []
     for slices in replicas:
         p = len(slices)
-        out += [Lane(s.island, tuple(range(d, n_stages, p))) for d, s in enumerate(slices)]
+        out += [Lane(s.island, s.key, tuple(range(d, n_stages, p))) for d, s in enumerate(slices)]
     return out

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from pathways.errors import to_wire
 from pathways.events import EventLog
-from pathways.ops import Op, Recv, Send
+from pathways.ops import Exec, Op, Recv, Send
 from resource_manager.host.buffers import BufferTable, Failure
 from resource_manager.host.handlers import Failed, Handlers
 from resource_manager.host.receive import Receiver
@@ -308,6 +308,8 @@ class Executor:
             args.update(src_island=op.src, bytes=op.aval.nbytes)
         elif isinstance(op, Send):
             args.update(dst_island=op.island)
+        elif isinstance(op, Exec):
+            args.update(slice=op.slice)
         self.events.span(op.label() if op.KIND == "exec" else op.KIND, op.KIND, wall, wall + elapsed, **args)
 
     # -- what a stuck client is told ----------------------------------------------------------------------

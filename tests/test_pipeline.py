@@ -211,6 +211,70 @@ def test_pipeline_replicas_across_islands(cluster):
                 s.release()
 
 
+def test_data_tensor_and_pipeline_parallelism_in_one_program(cluster, tmp_path):
+    """3D: two replicas (one per island, as pods) of a 2-stage ZB-H1 pipeline whose stages are 2-device slices
+    running a Megatron MLP over "model". Two Adam steps equal the unpipelined step's on the whole batch (so
+    both replicas apply the same update from the same parameters); only gradients (and the loss) cross
+    islands; the second step reads each replica's own copy of the state; a trace shows all four devices."""
+    slices = [[pw.slice((2,), ("model",), island=r) for _ in range(2)] for r in range(2)]
+    try:
+        rng = np.random.default_rng(11)
+        params = [{"up": (rng.normal(size=(D, 2 * D)) / np.sqrt(D)).astype(np.float32),
+                   "down": (rng.normal(size=(2 * D, D)) / np.sqrt(2 * D)).astype(np.float32)} for _ in range(2)]
+
+        def model(params, x):
+            for p in params:
+                x = pw.pipeline.end_stage(x + jax.nn.gelu(x @ p["up"]) @ p["down"])
+            return x
+
+        optimizer = optax.adam(0.05)
+        train_step, _ = make_step(model, optimizer)
+        specs = (2 * [{"up": P(None, "model"), "down": P("model", None)}], None, None, None)
+        step = pw.pipeline.jit(train_step, slices, n_micro=2, schedule="zb-h1", batch_argnums=(2, 3),
+                               in_specs=specs)
+        x, y = batch(16, seed=12)
+        state = optimizer.init(params)
+        ref_params, ref_state = params, state
+        losses, ref_losses = [], []
+        for k in range(2):
+            if k == 1:
+                with pw.trace(tmp_path / "trace.json"):
+                    params, state, loss = step(params, state, x, y)
+                    jax.tree_util.tree_map(lambda a: a.block_until_ready(), (params, state, loss))
+            else:
+                params, state, loss = step(params, state, x, y)
+            ref_params, ref_state, ref_loss = jax.jit(train_step)(ref_params, ref_state, x, y)
+            losses.append(float(np.asarray(loss)))
+            ref_losses.append(float(ref_loss))
+            graph = step.step.last_graph
+            if k == 0:
+                param_shapes = {a.shape for a in jax.tree_util.tree_leaves(params)}
+                crossing = {n.source.shape for n in graph.nodes if type(n).__name__ == "Transfer"
+                            and n.source.slice.island != n.target.slice.island}
+                assert crossing == param_shapes | {()}, crossing  # gradients and the loss, no activations
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
+        assert_close_trees(params, ref_params, atol=1e-5)
+        assert_close_trees(state, ref_state, atol=1e-5)
+        assert [p["up"].slice.key for p in params] == [s.key for s in slices[0]]
+        assert params[1]["up"].spec == P(None, "model") and params[1]["down"].spec == P("model", None)
+        ran = {(n.name, n.slice.key) for n in graph.nodes if type(n).__name__ == "Compute"}
+        for rep in slices:  # every replica ran its own stages' work on its own slices
+            for s, where in enumerate(rep):  # (the first stage has no input gradient, so no separate W)
+                kinds = ["F", "B", "update"] + (["W"] if s else [])
+                assert {(f"stage{s}.{kind}", where.key) for kind in kinds} <= ran, (s, where.key, ran)
+        inputs = {v.slot for v in graph.inputs}
+        moved = [n for n in graph.nodes if type(n).__name__ == "Transfer" and n.source.slot in inputs
+                 and n.source.slice.island != n.target.slice.island]
+        assert not moved, [(n.source.describe(), n.source.slice.key, n.target.slice.key) for n in moved]
+        measured = step.measured_bubble(tmp_path / "trace.json")
+        assert measured.steps == 1 and len(measured.per_device) == 4
+        assert all(0.0 <= b < 1.0 for b in measured.per_device), measured.per_device
+    finally:
+        for rep in slices:
+            for s in rep:
+                s.release()
+
+
 def _peak_buffer_bytes(session, step, args, timeout=60.0) -> int:
     """Poll island 0's buffer-table bytes while one step runs: the peak above what it held before."""
     before = host_stats(session, 0)

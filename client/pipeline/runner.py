@@ -214,16 +214,20 @@ class Pipeline:
         given = {graph.inputs[j]: per_leaf[k] for j, k in enumerate(plan.arrays)}
         marked = {out: e.params["spec"] for e in graph.eqns if e.prim in (END_STAGE, END_STAGE_BWD)
                   and e.params.get("spec") is not None for out in e.outs}
+        returned = {v: per_leaf[k] for v, k in _returned_state(graph, leaves, treedef).items()}
         batch_entry = next((s[0] for v, s in given.items() if v in split.batch_inputs and len(s)), None)
         like: dict[tuple, set] = {}
         for v, stage in split.home.items():
-            like.setdefault((stage, graph.avals[v].shape, np.dtype(graph.avals[v].dtype)), set()).add(given[v])
+            if given[v] != P():  # a replicated input says nothing about how a value of its shape is sharded
+                like.setdefault((stage, graph.avals[v].shape, np.dtype(graph.avals[v].dtype)), set()).add(given[v])
 
         def spec_of(v: int, where: VirtualSlice, stage: int) -> P:
             aval = graph.avals[v]
             candidates = []
             if v in given:
                 candidates.append(given[v])
+            if v in returned:
+                candidates.append(returned[v])
             if v in marked:
                 candidates.append(marked[v])
             axis = graph.batch_axis[v]
@@ -379,6 +383,40 @@ def _abstract(x: Any) -> Any:
     if hasattr(x, "shape") and hasattr(x, "dtype"):
         return jax.ShapeDtypeStruct(tuple(x.shape), np.dtype(x.dtype))
     return x
+
+
+def _returned_state(graph: Any, leaves: list, treedef: Any) -> dict[int, int]:
+    """The step's outputs that return the new value of an argument (the state in, state out of a training
+    step): output value id -> the flat leaf index of the argument it replaces. An output (each element of a
+    returned tuple, or the whole output) replaces the argument of the same structure, shapes and dtypes,
+    that at its own position where several match."""
+    args = jax.tree_util.tree_unflatten(treedef, list(range(len(leaves))))
+    outs = jax.tree_util.tree_unflatten(graph.out_tree, list(range(len(graph.outputs))))
+    parts = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+
+    def signature(tree: Any, aval: Callable[[int], Any]) -> tuple:
+        return (jax.tree_util.tree_structure(tree), tuple(aval(k) for k in jax.tree_util.tree_leaves(tree)))
+
+    def arg_aval(k: int) -> Any:
+        x = leaves[k]
+        return (x.shape, np.dtype(x.dtype)) if isinstance(x, jax.ShapeDtypeStruct) else None
+
+    def out_aval(k: int) -> Any:
+        v = graph.outputs[k]
+        return None if isinstance(v, Const) else (graph.avals[v].shape, np.dtype(graph.avals[v].dtype))
+
+    found: dict[int, int] = {}
+    for i, part in enumerate(parts):
+        if not jax.tree_util.tree_leaves(part):
+            continue
+        want = signature(part, out_aval)
+        matches = [j for j, arg in enumerate(args) if signature(arg, arg_aval) == want]
+        j = i if i in matches else (matches[0] if len(matches) == 1 else None)
+        if j is not None:
+            for k, a in zip(jax.tree_util.tree_leaves(part), jax.tree_util.tree_leaves(args[j])):
+                if not isinstance(graph.outputs[k], Const):
+                    found[graph.outputs[k]] = a
+    return found
 
 
 def _take(index: int, size: int, where: VirtualSlice, spec: P) -> CompiledFunction:

@@ -102,8 +102,9 @@ def test_bad_schedules_raise_clear_errors():
 def chrome_trace(schedule: schedules.Schedule, steps: int, lanes: list[timeline.Lane], times: dict,
                  hosts: int = 1) -> dict:
     """What pw.trace writes for ``steps`` steps run exactly on the cost model: one exec span per piece of work
-    and host of its slice, naming the slice, each island's fragment numbered by step, other ops (a receive)
-    between them. ``lanes`` lists every replica's devices; replica r runs the schedule on lanes r*p..r*p+p-1."""
+    and host of its slice, naming the slice, other ops (a receive) between them. Each island runs a step as
+    one fragment in parts: every span has a place (``seq``) of its own and names its step's fragment.
+    ``lanes`` lists every replica's devices; replica r runs the schedule on lanes r*p..r*p+p-1."""
     p = schedule.n_devices
     order_of = [schedule.order[k % p] for k in range(len(lanes))]
 
@@ -115,14 +116,15 @@ def chrome_trace(schedule: schedules.Schedule, steps: int, lanes: list[timeline.
     events = []
     for step in range(steps):
         base = step * (span + 5.0)
-        for t in done:
+        for k, t in enumerate(done):
             lane = lanes[t.lane]
+            place = {"seq": 1000 * step + k, "fragment": 10 + step}
             for host in range(hosts):
                 events.append({"ph": "X", "cat": "exec", "pid": 100 + lane.island, "tid": host,
                                "name": f"stage{t.work.stage}.{t.work.kind}", "ts": (base + t.start) * 1e6,
-                               "dur": (t.finish - t.start) * 1e6, "args": {"seq": 10 + step, "slice": lane.slice}})
+                               "dur": (t.finish - t.start) * 1e6, "args": {**place, "slice": lane.slice}})
             events.append({"ph": "X", "cat": "recv", "pid": 100 + lane.island, "tid": 0, "name": "recv",
-                           "ts": (base + t.start) * 1e6, "dur": 1.0, "args": {"seq": 10 + step}})
+                           "ts": (base + t.start) * 1e6, "dur": 1.0, "args": place})
     return {"traceEvents": events}
 
 

@@ -47,8 +47,8 @@ def measure(trace: str | os.PathLike | dict, lanes: Sequence[Lane]) -> MeasuredB
     """The bubble of every step in ``trace`` (a ``pw.trace`` file or its loaded JSON) for these devices.
 
     Spans are matched by name (``stage3.B``) and slice, so replicas whose slices share an island keep their
-    own lanes; a step is one fragment per island (its ``seq``), the k-th traced step being each island's k-th
-    fragment among the pipeline's spans.
+    own lanes; a step is one fragment per island (a long one runs in parts, each part's spans naming the
+    fragment), the k-th traced step being each island's k-th fragment among the pipeline's spans.
     """
     if not isinstance(trace, dict):
         with open(trace) as f:
@@ -58,7 +58,7 @@ def measure(trace: str | os.PathLike | dict, lanes: Sequence[Lane]) -> MeasuredB
         for s in lane.stages:
             for kind in KINDS:
                 lane_of[(lane.slice, f"stage{s}.{kind}")] = k
-    # (island, seq) -> (start, duration, name, lane)
+    # (island, fragment) -> (start, duration, name, lane)
     spans: dict[tuple[int, int], list[tuple[float, float, str, int]]] = defaultdict(list)
     for e in trace.get("traceEvents", []):
         if e.get("ph") != "X" or e.get("cat") != "exec":
@@ -66,11 +66,11 @@ def measure(trace: str | os.PathLike | dict, lanes: Sequence[Lane]) -> MeasuredB
         args = e.get("args", {})
         lane = lane_of.get((args.get("slice"), e.get("name")))
         if lane is not None:
-            spans[(e.get("pid", 0) - 100, args.get("seq", -1))].append(
+            spans[(e.get("pid", 0) - 100, args.get("fragment", -1))].append(
                 (e["ts"] * 1e-6, e["dur"] * 1e-6, e["name"], lane))
     by_island: dict[int, list[int]] = defaultdict(list)
-    for island, seq in sorted(spans):
-        by_island[island].append(seq)
+    for island, fragment in sorted(spans):
+        by_island[island].append(fragment)
     n_steps = min((len(v) for v in by_island.values()), default=0)
     if not n_steps or set(by_island) != {lane.island for lane in lanes}:
         raise ValueError("the trace holds no complete step of this pipeline: trace whole steps, and wait for "
@@ -80,8 +80,8 @@ def measure(trace: str | os.PathLike | dict, lanes: Sequence[Lane]) -> MeasuredB
     by_name: dict[str, list[float]] = defaultdict(list)
     for step in range(n_steps):
         intervals: list[list[tuple[float, float]]] = [[] for _ in lanes]
-        for island, seqs in by_island.items():
-            for start, dur, name, lane in spans[(island, seqs[step])]:
+        for island, fragments in by_island.items():
+            for start, dur, name, lane in spans[(island, fragments[step])]:
                 intervals[lane].append((start, start + dur))
                 durations[name.rsplit(".", 1)[1]].append(dur)
                 by_name[name].append(dur)

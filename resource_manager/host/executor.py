@@ -303,7 +303,7 @@ class Executor:
             waited = time.monotonic() - run.waiting_since
             self.events.span("wait for inputs", "wait", wall - waited, wall, seq=run.seq, op=op.KIND,
                              tenant=run.tenant)
-        args = {"seq": run.seq, "tenant": run.tenant, "program": run.label}
+        args = {"seq": run.seq, "fragment": run.fragment, "tenant": run.tenant, "program": run.label}
         if isinstance(op, Recv):
             args.update(src_island=op.src, bytes=op.aval.nbytes)
         elif isinstance(op, Send):

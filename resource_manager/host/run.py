@@ -48,15 +48,18 @@ class Run:
     parked: bool = False
     resumed_at: int = -1  # the recv op this run was resumed at (multi-host islands): its data will not wait
     end: int = -1
+    fragment: int = -1  # the place its fragment was first released in (its first part's seq); -1: ``seq``
 
     def __post_init__(self) -> None:
         if self.end < 0:
             self.end = len(self.ops)
+        if self.fragment < 0:
+            self.fragment = self.seq
 
     def part(self, seq: int, lo: int, hi: int) -> Run:
         """Ops ``lo`` to ``hi - 1`` of this run's fragment as a run of its own (the same ids), in place ``seq``."""
         return Run(seq, self.tenant, self.client, self.label, self.ops, self.template, self.n_inputs, self.base,
-                   self.inputs, pc=lo, end=hi)
+                   self.inputs, pc=lo, end=hi, fragment=self.fragment)
 
     def own_ops(self) -> tuple[Op, ...]:
         """The ops this run still has to run (from ``pc`` to ``end``)."""

@@ -199,12 +199,17 @@ def test_pipeline_replicas_across_islands(cluster):
         graph = step.step.last_graph
         ran = {(n.name, n.slice.island) for n in graph.nodes if type(n).__name__ == "Compute"}
         assert {("stage1.F", 0), ("stage1.F", 1), ("stage0.update", 0), ("stage0.update", 1)} <= ran
-        # the next step reads each replica's own copy of the parameters: none moves between islands
-        step(new, optax.sgd(1.0).init(params0), x, y)
+        # the next step reads each replica's own copy of the parameters: none moves between islands; with the
+        # batch on island 0, replica 1 receives its micro-batches, not the whole batch
+        xa, ya = pw.put(x, slices[0][0]), pw.put(y, slices[0][1])
+        step(new, optax.sgd(1.0).init(params0), xa, ya)
         graph = step.step.last_graph
-        inputs = {v.slot for v in graph.inputs}
-        moved = [n for n in graph.nodes if type(n).__name__ == "Transfer" and n.source.slot in inputs]
+        params_in = {v.slot for v in graph.inputs if v.shape != x.shape}
+        moves = [n for n in graph.nodes if type(n).__name__ == "Transfer"]
+        moved = [n for n in moves if n.source.slot in params_in]
         assert not moved, [(n.source.describe(), n.source.slice.key, n.target.slice.key) for n in moved]
+        assert not [n for n in moves if n.source.shape == x.shape]
+        assert sum(n.source.shape == (8, D) and n.target.slice.island == 1 for n in moves) >= 4
     finally:
         for rep in slices:
             for s in rep:
@@ -232,7 +237,7 @@ def test_data_tensor_and_pipeline_parallelism_in_one_program(cluster, tmp_path):
         specs = (2 * [{"up": P(None, "model"), "down": P("model", None)}], None, None, None)
         step = pw.pipeline.jit(train_step, slices, n_micro=2, schedule="zb-h1", batch_argnums=(2, 3),
                                in_specs=specs)
-        x, y = batch(16, seed=12)
+        x, y = batch(24, seed=12)  # 2 replicas x 2 micro-batches of 6 rows
         state = optimizer.init(params)
         ref_params, ref_state = params, state
         losses, ref_losses = [], []
@@ -247,6 +252,9 @@ def test_data_tensor_and_pipeline_parallelism_in_one_program(cluster, tmp_path):
             losses.append(float(np.asarray(loss)))
             ref_losses.append(float(ref_loss))
             graph = step.step.last_graph
+            # each replica's slices received its share of the client's batch, not the whole batch
+            assert sorted(v.slice.island for v in graph.inputs if v.shape == (12, D)) == [0, 0, 1, 1]
+            assert not [v for v in graph.inputs if v.shape == x.shape]
             if k == 0:
                 param_shapes = {a.shape for a in jax.tree_util.tree_leaves(params)}
                 crossing = {n.source.shape for n in graph.nodes if type(n).__name__ == "Transfer"

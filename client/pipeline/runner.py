@@ -102,16 +102,32 @@ class Pipeline:
         leaves = jax.tree_util.tree_leaves(args)
         others = tuple({k: self._copies[id(x)][r] for k, x in enumerate(leaves)
                         if isinstance(x, Array) and id(x) in self._copies} for r in range(len(self.replicas) - 1))
-        outputs, copies = self.step(*args, copies=others)
+        outputs, copies = self.step(*args, copies=others, shares=self._shares(args))
         for k, out in enumerate(jax.tree_util.tree_leaves(outputs)):
             if isinstance(out, Array) and id(out) not in self._copies:
                 self._copies[id(out)] = [rep[k] for rep in copies]
                 weakref.finalize(out, self._copies.pop, id(out), None)
         return outputs
 
+    def _shares(self, args: tuple) -> tuple[dict[int, Any], ...]:
+        """Each replica's share of the batch arguments that are client arrays (numpy or ``jax.Array``), by leaf
+        index: split here, so that each replica's slices receive only the rows that replica computes on."""
+        leaves, treedef = jax.tree_util.tree_flatten(args)
+        index = jax.tree_util.tree_unflatten(treedef, list(range(len(leaves))))
+        n_rep = len(self.replicas)
+        shares: tuple[dict[int, Any], ...] = tuple({} for _ in range(n_rep))
+        for i in self.batch_argnums:
+            for k in jax.tree_util.tree_leaves(index[i]) if i < len(args) else ():
+                x = leaves[k]
+                if isinstance(x, (np.ndarray, jax.Array)) and x.ndim and x.shape[0] % n_rep == 0:
+                    n = x.shape[0] // n_rep
+                    for r in range(n_rep):
+                        shares[r][k] = x[r * n:(r + 1) * n]
+        return shares
+
     def graph(self, *args: Any) -> Any:
         """The ``pw.Program`` one step traces to for these arguments."""
-        return self.step.graph(*args)
+        return self.step.graph(*args, shares=self._shares(args)) if len(self.replicas) > 1 else self.step.graph(*args)
 
     def plan(self, *args: Any) -> Plan:
         """The split, schedule and order for these arguments (host values or ``pw.Array``s)."""
@@ -304,7 +320,7 @@ class Pipeline:
         return fn if replica else plan.fns[(key, acc)]
 
     # -- the traced step --------------------------------------------------------------------------
-    def _body(self, *args: Any, copies: tuple = (), recorder: Recorder | None = None) -> Any:
+    def _body(self, *args: Any, copies: tuple = (), shares: tuple = (), recorder: Recorder | None = None) -> Any:
         leaves, treedef = jax.tree_util.tree_flatten(args)
         plan = self._plan([_abstract(x) for x in leaves], treedef)
         split, graph, schedule = plan.split, plan.split.graph, plan.schedule
@@ -313,20 +329,26 @@ class Pipeline:
         copies = copies or ({},) * (n_rep - 1)  # each replica's own copy of an input, where it has one
         own = [{graph.inputs[j]: rep[k] for j, k in enumerate(plan.arrays) if k in rep} for rep in ({}, *copies)]
         batch_of = {graph.inputs[j]: leaves[k] for j, k in plan.batch.items()}
+        leaf_of = {graph.inputs[j]: k for j, k in plan.batch.items()}
         values: dict[tuple[int, int | None, int], Any] = {}
         sums: dict[tuple[tuple, int], list] = {}
         takes: dict[tuple, CompiledFunction] = {}
 
         def read(v: int, micro: int | None, r: int, where: VirtualSlice, tag: tuple[int, int]) -> Any:
             if v in batch_of:
-                index = r * self.n_micro + micro
-                key = (v, index, where.key)
+                # a client array: this replica's share, sent to its slices only; a pw.Array on another island:
+                # the micro-batch is taken where the batch lives, so only the micro-batch crosses
+                share = shares[r].get(leaf_of[v]) if shares else None
+                source, index = (share, micro) if share is not None else (batch_of[v], r * self.n_micro + micro)
+                at, spec = where, plan.specs.get((v, "given"), P())
+                if isinstance(source, TracedValue) and source.slice.island != where.island:
+                    at, spec = source.slice, source.spec
+                key = (v, r if share is not None else None, index, at.key)
                 if key not in values:
                     fn = takes.get(key)
                     if fn is None:
-                        spec = plan.specs.get((v, "given"), P())
-                        fn = takes[key] = _take(index, plan.micro, where, spec)
-                    values[key] = fn(batch_of[v])
+                        fn = takes[key] = _take(index, plan.micro, at, spec)
+                    values[key] = fn(source)
                     if recorder is not None:
                         recorder.note(tag, [], 1)
                 return values[key]
@@ -420,10 +442,16 @@ def _returned_state(graph: Any, leaves: list, treedef: Any) -> dict[int, int]:
 
 
 def _take(index: int, size: int, where: VirtualSlice, spec: P) -> CompiledFunction:
+    """Micro-batch ``index`` (rows of ``size``) of a batch on ``where``, sharded as the batch where it can be."""
     def take(batch: Any) -> Any:
         return jax.lax.slice_in_dim(batch, index * size, (index + 1) * size, axis=0)
 
-    return pw_jit(take, slice=where, in_specs=(spec,), out_specs=spec, name=f"micro_batch{index}")
+    out = spec
+    if len(spec) and spec[0] is not None:
+        axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+        shards = int(np.prod([where.shape[where.axis_names.index(a)] for a in axes]))
+        out = spec if size % shards == 0 else P(None, *spec[1:])
+    return pw_jit(take, slice=where, in_specs=(spec,), out_specs=out, name=f"micro_batch{index}")
 
 
 def _task_fn(task: Task, means: Sequence[bool], n_rep: int, scale: float, accumulate: bool) -> Callable:

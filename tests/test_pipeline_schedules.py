@@ -48,8 +48,9 @@ def test_every_work_runs_once_on_its_device_in_data_order(name, p, m, v):
 def test_idle_fraction_on_the_cost_model_is_the_formula(name, p, m, v):
     s = pw.pipeline.make(name, p, m, v)
     assert simulate(s) == pytest.approx(s.bubble(), abs=1e-9)
-    if name == "zb-h1":  # the formula's dependence on the three times holds too
-        assert simulate(s, 1.0, 1.5, 0.5) == pytest.approx(s.bubble(1.0, 1.5, 0.5), abs=1e-9)
+    if name == "zb-h1":  # the formula's dependence on the three times holds too, a W longer than F or B included
+        for times in [(1.0, 1.5, 0.5), (1.0, 1.0, 1.2), (0.8, 1.0, 1.0), (1.0, 0.8, 1.0), (1.3, 1.0, 1.2)]:
+            assert simulate(s, *times) == pytest.approx(s.bubble(*times), abs=1e-9), times
 
 
 def test_formulas_cut_the_bubble_as_the_papers_say():

@@ -81,13 +81,15 @@ def bubble(name: str, p: int, m: int, v: int = 1, t_f: float = 1.0, t_b: float =
     GPipe and 1F1B: (p-1)/(m+p-1). Interleaved: (p-1)/(vm+p-1), its bubble cut by v. ZB-H1: an idle time of
     (p-1)(t_f+t_b-t_w) against m(t_f+t_b+t_w) of work, against 1F1B's (p-1)(t_f+t_b+t_w): a third of it when
     the three times are equal (for m >= p; with fewer micro-batches there is too little W to fill the drain).
+    The paper's (p-1)(t_f+t_b-t_w) holds while W takes no longer than F and B; a longer W cannot shorten the
+    fill and the drain below one F or B per device, so the idle time is (p-1)max(t_f+t_b-t_w, t_f, t_b).
     """
     check(name, p, m, v)
     if name in ("gpipe", "1f1b"):
         return (p - 1) / (m + p - 1)
     if name == "interleaved":
         return (p - 1) / (v * m + p - 1)
-    idle = (p - 1) * max(t_f + t_b - t_w, 0.0)
+    idle = (p - 1) * max(t_f + t_b - t_w, t_f, t_b)
     return idle / (m * (t_f + t_b + t_w) + idle)
 
 

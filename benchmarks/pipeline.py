@@ -13,11 +13,13 @@ with Adam on BATCH tokens (rows) per step. One training step, written once for `
 Per schedule it reports:
 
 - the bubble *measured from the hosts' timelines*: each schedule's steps are traced (``pw.trace``) and, per
-  step, each device's idle fraction between the step's first forward and last backward span is averaged over
-  the devices (``Pipeline.measured_bubble``); next to it the schedule's formula (for ZB-H1, evaluated at the
-  forward, input-gradient and weight-gradient times measured from the same spans), and the schedule replayed
-  on the formulas' cost model with each stage's measured times (so what remains between "replayed" and
-  "measured" is the runtime's own cost, moving activations and running the hosts, and the machine's noise);
+  step, the fraction of the window from the step's first forward to its last backward span that each device
+  waits (neither computes nor sends or receives activations) is averaged over the devices
+  (``Pipeline.measured_bubble``); next to it the fraction spent sending and receiving ("moving": a device's
+  island does it between computations, where a GPU's copy engines would overlap it), the schedule's formula
+  (for ZB-H1, evaluated at the forward, input-gradient and weight-gradient times measured from the same
+  spans), and the schedule replayed on the formulas' cost model with each stage's measured times (so what
+  remains between "replayed" and "measured" is waiting the runtime causes, and the machine's noise);
 - the peak per-micro-batch state each stage's slice holds, replayed from the lowered program;
 - tokens/s against SPMD DP, medians of interleaved rounds.
 
@@ -98,8 +100,9 @@ class Row:
     step_s: float = float("nan")
     tokens_per_s: float = float("nan")
     ratio_to_dp: float | None = None
-    bubble_measured: float | None = None
+    bubble_measured: float | None = None  # waiting: neither computing nor moving activations
     bubble_per_device: list[float] | None = None
+    moving: float | None = None  # in the island's sends and receives
     bubble_formula: float | None = None  # the papers' model (equal F, B, W times)
     bubble_formula_at_times: float | None = None  # at the measured F, B, W times
     bubble_replayed: float | None = None  # the schedule replayed with each stage's measured times
@@ -159,7 +162,7 @@ def measure_bubble(setup: Setup) -> None:
             setup.run(TRACED)
         measured = setup.step.measured_bubble(path)
     r = setup.row
-    r.bubble_measured, r.bubble_per_device = measured.bubble, list(measured.per_device)
+    r.bubble_measured, r.bubble_per_device, r.moving = measured.bubble, list(measured.per_device), measured.moving
     r.times_ms = {k: t * 1e3 for k, t in measured.times_s.items()}
     r.window_ms = measured.window_s * 1e3
     r.bubble_formula = pw.pipeline.bubble(r.schedule, r.p, r.m, r.v)
@@ -252,13 +255,13 @@ def main(argv: list[str] | None = None) -> dict:
     def num(v: float | None, fmt: str = ".3f") -> str:
         return "-" if v is None else format(v, fmt)
 
-    table = Table(["setup", "p", "m", "v", "ms/step", "tokens/s", "vs DP", "bubble meas", "formula",
+    table = Table(["setup", "p", "m", "v", "ms/step", "tokens/s", "vs DP", "bubble meas", "moving", "formula",
                    "formula at F/B/W", "replayed", "per device", "F/B/W ms", "peak MiB per stage"])
     for r in rows:
         pipe = r.schedule is not None
         times = "/".join(f"{r.times_ms[k]:.1f}" for k in ("F", "B", "W") if k in r.times_ms) if pipe else "-"
         table.add(r.setup, r.p, r.m if pipe else "-", r.v if pipe else "-", f"{r.step_s * 1e3:.1f}",
-                  rate_text(r.tokens_per_s), num(r.ratio_to_dp, ".2f"), num(r.bubble_measured),
+                  rate_text(r.tokens_per_s), num(r.ratio_to_dp, ".2f"), num(r.bubble_measured), num(r.moving),
                   num(r.bubble_formula), num(r.bubble_formula_at_times), num(r.bubble_replayed),
                   " ".join(f"{b:.2f}" for b in r.bubble_per_device) if pipe else "-", times,
                   " ".join(f"{b / 2**20:.1f}" for b in r.peak_bytes) if pipe else "-")
@@ -267,7 +270,8 @@ def main(argv: list[str] | None = None) -> dict:
           f"steps after {WARMUP + 1} warm-up steps; bubbles: medians over {TRACED} traced steps; {cores} cores, "
           f"load average now {os.getloadavg()[0]:.2f}; SPMD DP {dp.step_s * 1e3:.1f} ms/step")
     print(table.render())
-    print(f"{DEVICES} devices on {cores} cores; hosts {capped}; no GPU.")
+    print(f"{DEVICES} devices on {cores} cores; hosts {capped}; no GPU. Bubble: the fraction of a step a device "
+          "waits; moving: the fraction its island spends sending and receiving activations.")
     for r in rows[1:]:
         formula = r.bubble_formula_at_times if r.schedule == "zb-h1" else r.bubble_formula
         print(f"pipeline {r.schedule} p={r.p} m={r.m} v={r.v}: bubble measured {r.bubble_measured:.3f} "

@@ -158,3 +158,24 @@ def test_replicas_sharing_islands_and_slices_over_several_hosts_keep_their_lanes
     window = measured.window_s
     assert [round((1 - b) * window, 9) for b in measured.per_device] == [12.0] * 4
     assert measured.per_device[0] == pytest.approx(measured.per_device[2])
+
+
+def test_a_devices_own_sends_and_receives_are_moving_not_waiting():
+    """A device with its island to itself: its island's sends and receives of the step are time spent moving
+    data, reported apart from the bubble; devices sharing an island cannot tell theirs apart (they wait)."""
+    def span(island, cat, name, start, end, **args):
+        return {"ph": "X", "cat": cat, "pid": 100 + island, "tid": 0, "name": name, "ts": start * 1e6,
+                "dur": (end - start) * 1e6, "args": {"fragment": 5 + island, **args}}
+
+    def trace(island_b):
+        return {"traceEvents": [
+            span(0, "exec", "stage0.F", 0.0, 1.0, slice="a"), span(0, "send", "send", 1.0, 1.5),
+            span(island_b, "recv", "recv", 1.5, 2.0), span(island_b, "exec", "stage1.F", 2.0, 3.0, slice="b"),
+            span(0, "exec", "stage0.B", 3.0, 4.0, slice="a"), span(0, "recv", "recv", 4.0, 9.0)]}  # after: clipped
+
+    own = timeline.measure(trace(1), [timeline.Lane(0, "a", (0,)), timeline.Lane(1, "b", (1,))])
+    assert own.window_s == pytest.approx(4.0)
+    assert own.per_device == pytest.approx((1 - 2.5 / 4, 1 - 1.5 / 4))
+    assert own.moving == pytest.approx(0.5 / 4) and own.bubble == pytest.approx(0.5)
+    shared = timeline.measure(trace(0), [timeline.Lane(0, "a", (0,)), timeline.Lane(0, "b", (1,))])
+    assert shared.per_device == pytest.approx((1 - 2 / 4, 1 - 1 / 4)) and shared.moving == 0.0

@@ -49,14 +49,14 @@ _LAZY = {
     "transfer": "client.program",
     "status": "client.status",
 }
-_MODULES = {"pipeline": "client.pipeline"}
+_MODULES = {"elastic": "client.elastic", "pipeline": "client.pipeline"}
 
 __all__ = [
     "Admin", "Array", "ClusterStatus", "CompiledFunction", "IslandFailedError", "PathwaysError", "Program",
     "ProgramError",
     "ProgramFunction", "ResourceError", "TenantAccessError", "Timeouts", "Topology", "VirtualSlice",
-    "WireFormatError", "admin", "init", "jit", "pipeline", "program", "put", "release", "shutdown", "slice", "status",
-    "trace", "transfer",
+    "WireFormatError", "admin", "elastic", "init", "jit", "pipeline", "program", "put", "release", "shutdown", "slice",
+    "status", "trace", "transfer",
 ]
 
 

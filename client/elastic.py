@@ -243,8 +243,8 @@ class DataParallel:
         for pending in self._inflight:
             pending.dropped = True
         self._inflight.clear()
-        leaves, treedef = jax.tree.flatten(state)
-        spec_tree = jax.tree.unflatten(treedef, broadcast_specs(specs, state, "pw.elastic start: specs"))
+        spec_tree = jax.tree.unflatten(jax.tree.structure(state), broadcast_specs(specs, state,
+                                                                                  "pw.elastic start: specs"))
         self._probe = jit(probe, in_specs=(spec_tree,), name="state_ready")
         self._fingerprint = jit(fingerprint, in_specs=(spec_tree,), name="state_fingerprint")
         live = [p for p in range(len(self.slices)) if self._alive(p)]
@@ -259,8 +259,9 @@ class DataParallel:
 
     def submit(self, batch: Any, transform: Callable | None = None) -> Pending:
         """Dispatch the next step on ``batch`` (a pytree of host arrays whose leading dimension, the global
-        batch, splits into one share per pod) without waiting; returns at once. A pod whose island came back
-        first receives the state and rejoins (this waits for the steps in flight).
+        batch, splits into one share per pod) without waiting; returns at once. First, a lost pod whose island
+        is back starts its warm-up, and one whose warm-up has landed receives the state and rejoins (which
+        waits for the steps in flight).
 
         Args:
             batch: the global batch. With ``POD_BATCH`` the shares of pods that are out are skipped.

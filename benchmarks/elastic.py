@@ -1,10 +1,12 @@
 """What losing a pod costs PaLM's two-pod training through ``pw.elastic``, and whether the run stays the same.
 
-Four runs of the same steps on the same two pods (config small by default), each a pipelined loop
-(step n+1 is dispatched before step n is read), one after another in one cluster:
+Runs of the same steps on the same two pods (config small by default), each a pipelined loop (step n+1
+is dispatched before step n is read), one after another in one cluster, in this order: no kills,
+donating, one kill, donating, no kills, kill every N. The pairs alternate so that a busy spell on the
+machine hits both kinds alike; their steps per second are averaged.
 
 - ``donating``: the ordinary two-pod step (``TrainStep``, donating its state): what elastic costs with no
-  failure at all.
+  failure at all (median seconds per step against ``no kills``').
 - ``no kills``: the elastic step, no failure: the baseline of the next two.
 - ``one kill``: the elastic step; once step K-1 has landed, with step K running, pod 1's host process is
   killed (SIGKILL, as a machine failure would). The resource manager restarts the island; the pod warms
@@ -27,6 +29,7 @@ import argparse
 import hashlib
 import os
 import signal
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -80,9 +83,23 @@ class Run:
     def steps_per_s(self) -> float:
         return len(self.losses) / self.wall_s if self.wall_s else float("nan")
 
+    @property
+    def step_s(self) -> list[float]:
+        """Seconds between one step's landing and the next's."""
+        return np.diff(self.landed).tolist()
+
+    @property
+    def median_step_s(self) -> float:
+        return statistics.median(self.step_s) if len(self.landed) > 1 else float("nan")
+
+
+def never(record: Run, step: Any, landed: int) -> None:
+    """No kill."""
+    return None
+
 
 def run(name: str, make_step: Callable[[Run], Any], host_state: tuple, steps: int, batch: int, seq_len: int,
-        kill: Callable[[Run, Any, int], int | None] = lambda run, step, n: None) -> Run:
+        kill: Callable[[Run, Any, int], int | None] = never) -> Run:
     """``steps`` pipelined steps from ``host_state`` (batches 0, 1, ...); once step n has landed, ``kill(run,
     step, n)`` may name a pod whose host is then killed while step n+1 runs."""
     record = Run(name)
@@ -150,10 +167,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"PaLM {a.config}, global batch {shape[0]} x {shape[1]} tokens, {a.steps} steps per run", flush=True)
         for make in (elastic, donating):
             run("warm-up", make, host_state, WARMUP_STEPS, a.batch, config.seq_len)
-        runs = [run("donating", donating, host_state, a.steps, a.batch, config.seq_len),
-                run("no kills", elastic, host_state, a.steps, a.batch, config.seq_len),
-                run("one kill", elastic, host_state, a.steps, a.batch, config.seq_len, once),
-                run(f"kill every {a.kill_every}", elastic, host_state, a.steps, a.batch, config.seq_len, every)]
+        plan = [("no kills", elastic, never), ("donating", donating, never), ("one kill", elastic, once),
+                ("donating", donating, never), ("no kills", elastic, never),
+                (f"kill every {a.kill_every}", elastic, every)]
+        runs = [run(name, make, host_state, a.steps, a.batch, config.seq_len, kill) for name, make, kill in plan]
         for pod in pods:
             pod.release()
     finally:
@@ -162,11 +179,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def report(a: argparse.Namespace, runs: list[Run]) -> dict[str, Any]:
-    donating, clean, once, every = runs
-    table = Table(["run", "steps", "kills", "wall s", "steps/s", "vs no kills"])
+    cleans, donatings = [r for r in runs if r.name == "no kills"], [r for r in runs if r.name == "donating"]
+    clean, donating, once, every = cleans[0], donatings[0], runs[2], runs[-1]
+    clean_rate = statistics.mean(r.steps_per_s for r in cleans)
+    table = Table(["run", "steps", "kills", "wall s", "steps/s", "median step s", "vs no kills"])
     for r in runs:
         table.add(r.name, len(r.losses), len(r.kills), f"{r.wall_s:.1f}", f"{r.steps_per_s:.2f}",
-                  ratio_text(ratio(r.steps_per_s, clean.steps_per_s)))
+                  f"{r.median_step_s:.3f}", ratio_text(ratio(r.steps_per_s, clean_rate)))
     print(table.render())
     (k, _, killed_at), = once.kills
     resumed = [e for _, e in once.events if e.kind == "resumed"]
@@ -179,18 +198,22 @@ def report(a: argparse.Namespace, runs: list[Run]) -> dict[str, Any]:
     same_as_donating = all(x.tobytes() == y.tobytes() for x, y in zip(clean.losses, donating.losses))
     for at, e in once.events:
         print(f"  {at - killed_at:+7.2f} s  {e.kind}: {e.detail}")
-    print(f"elastic without failures: {ratio_text(ratio(clean.steps_per_s, donating.steps_per_s))} the donating "
-          f"step's steps/s; its losses are bitwise the donating step's: {'yes' if same_as_donating else 'no'}")
-    print(f"goodput with a kill every {a.kill_every} steps ({len(every.kills)} kills): "
-          f"{every.steps_per_s:.2f} against {clean.steps_per_s:.2f} steps/s with none, "
-          f"{ratio_text(ratio(every.steps_per_s, clean.steps_per_s))}")
+    step_clean = statistics.median(s for r in cleans for s in r.step_s)
+    step_donating = statistics.median(s for r in donatings for s in r.step_s)
+    print(f"without failures, a step takes {step_clean:.3f} s elastic and {step_donating:.3f} s donating (medians), "
+          f"{ratio_text(ratio(step_clean, step_donating))}; the losses are bitwise the donating step's: "
+          f"{'yes' if same_as_donating else 'no'}")
+    goodput = ratio(every.steps_per_s, clean_rate)
+    print(f"goodput with a kill every {a.kill_every} steps ({len(every.kills)} kills): {every.steps_per_s:.2f} "
+          f"against {clean_rate:.2f} steps/s with none, {ratio_text(goodput)}")
     payload = {"config": a.config, "batch": a.batch, "steps": a.steps, "kill_at": k, "kill_every": a.kill_every,
                "lost_steps": lost, "resumed_s": resumed_s, "rejoined_at": rejoined[0].step if rejoined else None,
                "identical": identical, "same_as_donating": same_as_donating,
-               "runs": {r.name: {"steps": len(r.losses), "kills": len(r.kills), "wall_s": r.wall_s,
-                                 "steps_per_s": r.steps_per_s, "kill_steps": [k[0] for k in r.kills],
-                                 "step_s": np.diff(r.landed).round(3).tolist()} for r in runs},
-               "goodput": ratio(every.steps_per_s, clean.steps_per_s),
+               "median_step_s": {"elastic": step_clean, "donating": step_donating},
+               "runs": [{"name": r.name, "steps": len(r.losses), "kills": len(r.kills), "wall_s": r.wall_s,
+                         "steps_per_s": r.steps_per_s, "kill_steps": [k[0] for k in r.kills],
+                         "step_s": [round(s, 4) for s in r.step_s]} for r in runs],
+               "goodput": goodput,
                "events": [{"t": at - killed_at, "kind": e.kind, "pod": e.pod, "step": e.step, "detail": e.detail}
                           for at, e in once.events]}
     write_json(a.out, payload)

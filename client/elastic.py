@@ -34,10 +34,11 @@ its shares.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -207,7 +208,6 @@ class DataParallel:
         self._step_program = ProgramFunction(self._body, name=name)
         self._copy_program = ProgramFunction(self._copy, name=f"{name}_rejoin")
         self._warm_program = ProgramFunction(self._warm_up, name=f"{name}_warm_up")
-        self._waiter: ThreadPoolExecutor | None = None  # waits for warm-ups, so that the survivors need not
         self._probe: Any = None  # per state layout (``start``): pw.jit functions that read every leaf
         self._fingerprint: Any = None
         self._base: tuple[int, dict[int, Any]] | None = None  # the latest landed step and its state per pod
@@ -431,9 +431,8 @@ class DataParallel:
             return
 
     def _lose(self, pods: list[int], error: Exception) -> None:
-        session = current()
-        for pod in pods:
-            self._lost[pod] = session.epoch(self.slices[pod].island)
+        for pod in pods:  # the instance that held the state: any later restart of its island is taken back
+            self._lost[pod] = self._epochs[pod]
         self._active = tuple(p for p in self._active if p not in pods)
         for pod in pods:
             self._emit("pod_lost", pod, f"pod {pod} (island {self.slices[pod].island}) failed: {error}")
@@ -498,10 +497,9 @@ class DataParallel:
                 outputs = self._warm_program(states[min(states)], share, pod, len(joint.shares), joint.lr_scale)
             except IslandFailedError as exc:
                 landing.set_exception(exc)
-            else:
-                if self._waiter is None:
-                    self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pw-elastic-warm-up")
-                landing = self._waiter.submit(_fetch_all, outputs)
+            else:  # a thread waits for it, so that the survivors need not
+                threading.Thread(target=_land_into, args=(outputs, landing), name="pw-elastic-warm-up",
+                                 daemon=True).start()
         self._returning[pod] = (epoch, landing)
         self._emit("returned", pod, f"pod {pod}'s island is back (restart {epoch}); it warms up while pods "
                                     f"{list(self._active)} go on")
@@ -556,10 +554,16 @@ class DataParallel:
             self.on_event(event)
 
 
-def _fetch_all(arrays: list[Array]) -> None:
-    """Wait until every array of ``arrays`` is computed (fetching it); raises what a fetch raises."""
-    for array in arrays:
-        array.fetch()
+def _land_into(arrays: list[Array], landing: Future) -> None:
+    """Wait until every array of ``arrays`` is computed (fetching it), then resolve ``landing``: with None, or
+    with what a fetch raised. A daemon thread runs it: a warm-up still compiling never holds up an exit."""
+    try:
+        for array in arrays:
+            array.fetch()
+    except BaseException as exc:  # noqa: BLE001 - whatever it is, the runner reads it from ``landing``
+        landing.set_exception(exc)
+    else:
+        landing.set_result(None)
 
 
 def _settle(tree: Any) -> None:

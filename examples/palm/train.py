@@ -10,7 +10,9 @@ matplotlib is installed. ``--resume`` continues bit-exactly from the newest
 checkpoint. A loss spike (above ``--spike-factor`` times the running median)
 rolls back to the checkpoint about ``--rollback-steps`` earlier and skips
 ``--skip-batches`` batches, as PaLM did; ``--inject-spike-at`` blows up the
-parameters once to show it.
+parameters once to show it. ``--elastic`` runs the step through ``pw.elastic``:
+if a pod dies, the other computes its half of the batch too (the same bits),
+and the pod rejoins once its island has restarted; the log records each event.
 
 ``train()`` is the loop and takes an already-initialized session; ``main()``
 starts and stops the cluster around it.

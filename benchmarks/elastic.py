@@ -49,12 +49,11 @@ WARMUP_STEPS = 3  # compile every pod's executables before anything is timed
 
 
 def kill_host(island: int, host: int = 0) -> int:
-    """SIGKILL the process of host ``host`` of ``island``, as a machine failure would; returns its pid."""
-    import ray
-
+    """SIGKILL the process of host ``host`` of ``island``, as a machine failure would; returns its pid (the
+    host names it in its counters, asked over the client protocol)."""
     from client.session import current
 
-    pid = ray.get(current().islands[island].hosts[host].stats.remote(), timeout=30)["pid"]
+    pid = current().host_stats(island, host)["pid"]
     os.kill(pid, signal.SIGKILL)
     return pid
 

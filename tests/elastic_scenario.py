@@ -1,5 +1,6 @@
 """Run by test_elastic.py in its own process and cluster (its hosts get killed): PaLM's tiny step through
-``pw.elastic`` while pods fail and come back. Prints one JSON line per case, then ``{"done": ...}``.
+``pw.elastic`` while pods fail and come back, in a process that cannot import Ray (a tenant's client speaks
+only the runtime's protocol). Prints one JSON line per case, then ``{"done": seconds, "ray_loaded": False}``.
 
 Cases, in order, on one cluster of 2 islands x 1 host x 4 CPU devices:
   reference     the ordinary two-pod step (``TrainStep``, donating), no failure: losses and final state.
@@ -13,17 +14,29 @@ Cases, in order, on one cluster of 2 islands x 1 host x 4 CPU devices:
 from __future__ import annotations
 
 import json
+import sys
 import time
 from typing import Any
 
-import jax
-import numpy as np
 
-import pathways as pw
-from benchmarks.elastic import digest, kill_host
-from examples.palm import data, model, optim
-from examples.palm.config import CONFIGS
-from examples.palm.step import ElasticTrainStep, TrainStep
+class NoRay:
+    """A tenant's process needs no Ray: here it cannot import it, and still trains through failures."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
+        if name == "ray" or name.startswith("ray."):
+            raise ImportError("ray is not installed in this client")
+
+
+sys.meta_path.insert(0, NoRay())
+
+import jax  # noqa: E402 - after the guard that keeps Ray out
+import numpy as np  # noqa: E402 - after the guard
+
+import pathways as pw  # noqa: E402 - after the guard
+from benchmarks.elastic import digest, kill_host  # noqa: E402 - after the guard
+from examples.palm import data, model, optim  # noqa: E402 - after the guard
+from examples.palm.config import CONFIGS  # noqa: E402 - after the guard
+from examples.palm.step import ElasticTrainStep, TrainStep  # noqa: E402 - after the guard
 
 CONFIG, OPT, BATCH = CONFIGS["tiny"], optim.OptimConfig(), 8
 STEPS = 8
@@ -150,7 +163,8 @@ def main() -> None:
         start = time.monotonic()
         emit(case, fn(pods, host_state), start)
     pw.shutdown()
-    print(json.dumps({"done": round(time.monotonic() - started, 1)}), flush=True)
+    ray_loaded = any(m.split(".")[0] == "ray" for m in sys.modules)
+    print(json.dumps({"done": round(time.monotonic() - started, 1), "ray_loaded": ray_loaded}), flush=True)
 
 
 if __name__ == "__main__":

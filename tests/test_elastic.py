@@ -11,6 +11,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -120,6 +122,48 @@ def test_palm_elastic_options():
         TrainOptions(pods=1, batch=4, elastic=True)
 
 
+# -- cluster tier: the session's cluster ------------------------------------------------------------------------
+
+def _slow(a):
+    return jax.lax.fori_loop(0, 400, lambda i, b: jnp.tanh(b @ b), a)  # about 2.5 s on 4 CPU devices here
+
+
+def test_a_fetch_waiting_on_one_thread_holds_up_nothing_on_another(cluster):
+    """What a pod's warm-up relies on: its thread waits for a value while the training thread goes on sending to
+    and fetching from the same hosts (one connection per host, shared by the threads)."""
+    s0, s1 = pw.slice((4,), ("x",), island=0), pw.slice((4,), ("x",), island=1)
+    try:
+        slow, quick = pw.jit(_slow, slice=s0), pw.jit(lambda a: a + 1.0, slice=s1)
+        start = np.eye(512, dtype=np.float32) * 0.5
+        there = [pw.put(np.full(4, k, np.float32), s0).block_until_ready(30) for k in range(5)]  # not fetched yet
+        quick(pw.put(np.zeros(8, np.float32), s1)).fetch()  # compiled before the clock matters
+        pending = slow(pw.put(start, s0))
+        waited: dict = {}
+
+        def warm_up() -> None:
+            waited["value"] = pending.fetch()
+            waited["at"] = time.monotonic()
+
+        thread = threading.Thread(target=warm_up)
+        thread.start()
+        time.sleep(0.2)  # its fetch is on the wire and waits at island 0's host
+        fetched, sums = [], []
+        for k in range(5):
+            fetched.append(there[k].fetch(timeout=30).tolist())  # over the connection the other thread waits on
+            pw.put(np.zeros(4, np.float32), s0)  # sent on it too (it runs after the slow computation)
+            sums.append(float(np.asarray(quick(pw.put(np.arange(8, dtype=np.float32) * k, s1))).sum()))
+        trained_at = time.monotonic()
+        assert thread.is_alive() and "at" not in waited  # the other thread still waits for its value
+        thread.join(timeout=60)
+        assert waited["at"] > trained_at
+        np.testing.assert_allclose(waited["value"], jax.jit(_slow)(start), rtol=1e-5, atol=1e-6)
+        assert fetched == [[float(k)] * 4 for k in range(5)]
+        assert sums == [28.0 * k + 8.0 for k in range(5)]
+    finally:
+        s0.release()
+        s1.release()
+
+
 # -- cluster tier: pods killed in a cluster of the scenario's own ----------------------------------------------
 
 class Scenario:
@@ -203,3 +247,8 @@ def test_the_survivor_dying_too_is_a_clear_error_in_bounded_time(scenario):
     assert run["pods_after"] == []  # no restarted, empty pod took over
     assert run["submit_after"] == run["survivor_died"]  # and every later call says the same
     assert scenario.rc == 0, scenario.tail
+
+
+@pytest.mark.cluster
+def test_the_elastic_client_speaks_only_the_protocol(scenario):
+    assert scenario["done"]["ray_loaded"] is False  # every case above ran where `import ray` fails

@@ -243,6 +243,14 @@ def test_a_peer_without_the_secret_is_refused(receiver):
     assert not got.pieces and server.stats()["net_connections"] == 0
 
 
+def test_a_closed_server_takes_no_connection(receiver):
+    server, _, _, _ = receiver
+    time.sleep(0.05)  # its accept thread waits in accept()
+    server.close()
+    with pytest.raises(OSError):  # refused: nothing listens there any more (senders fall back at once)
+        socket.create_connection(("127.0.0.1", int(server.address.rsplit(":", 1)[1])), timeout=2.0).close()
+
+
 def test_a_sender_checks_the_server_is_the_host_it_meant(receiver):
     server, _, _, _ = receiver
     with pytest.raises(ProtocolError, match="is host"):

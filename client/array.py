@@ -262,6 +262,12 @@ class Array(LocalArrayMethods):
         except Exception:  # interpreter shutdown: the cluster frees everything anyway
             pass
 
+    def _settle(self) -> None:
+        """The client knows this value was computed (it read a value computed from it on its island): from now
+        on it depends on its own island alone, so waiting for it, or for values computed from it there, no
+        longer fails because another island it once came from failed."""
+        self.islands = frozenset({self.slice.island})
+
     def _donate(self, to: str) -> None:
         """The buffer was given to ``to``: free it now (the host drops it at the call, or, if it could not
         donate it, after the call) and refuse every later use."""

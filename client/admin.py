@@ -89,6 +89,29 @@ class Admin:
         """Buffers and bytes each tenant holds on each island, counted now."""
         return {int(i): {t: tuple(v) for t, v in c.items()} for i, c in self._call("usage").items()}
 
+    def suspend(self, directory: str | None = None, timeout: float = 60.0) -> dict:
+        """Save every tenant's arrays, sessions and executables into ``directory`` (a path on the resource
+        manager's machine or an fsspec URL; default: the runtime's ``--suspend-dir``) and stop the islands. Each
+        step waits at most ``timeout`` seconds; if one fails, nothing is saved and the cluster runs on
+        (PathwaysError says why). Returns what was saved: seconds, bytes, buffers, sessions."""
+        return self._slow("suspend", directory, timeout)
+
+    def resume(self, directory: str | None = None, timeout: float = 60.0) -> dict:
+        """Restore a suspended cluster from ``directory`` (default: where this runtime was suspended to), here
+        or on a freshly started runtime of the same topology; attached clients go on. If it fails, nothing of
+        it is used (PathwaysError says why). Returns what was restored: seconds, bytes, buffers, sessions."""
+        return self._slow("resume", directory, timeout)
+
+    def _slow(self, op: str, directory: str | None, timeout: float) -> dict:
+        """A suspend or resume, on a connection of its own: the resource manager serves a connection's requests
+        in order, and this process's session must go on talking to it meanwhile."""
+        link = Link(self._link.address, 0, None, expect_role(None, "rm"), "the resource manager")
+        try:
+            return link.call(lambda rid: AdminOp(rid, self._credential, op, {"dir": directory, "timeout": timeout}),
+                             _long(timeout))
+        finally:
+            link.close()
+
     def probe_network(self, src: tuple[int, int], dst: tuple[int, int], nbytes: int) -> float:
         """Seconds to push ``nbytes`` raw bytes from host ``src`` to host ``dst`` (each (island, host)) over one
         plain connection of the network path: the bare link, for benchmarks."""
@@ -119,6 +142,12 @@ def admin(credential: str | None = None) -> Admin:
         raise TenantAccessError(f"no admin credential: this process did not start the runtime and "
                                 f"{home() / ADMIN_FILE} does not exist")
     return Admin(session.rm, credential, session.timeouts.start)
+
+
+def _long(timeout: float) -> float:
+    """How long to wait for a suspend or resume that bounds each of its steps by ``timeout`` (a few steps, and
+    the time to move the bytes)."""
+    return 4 * timeout + 600.0
 
 
 def _read(path: Any) -> str | None:

@@ -20,7 +20,7 @@ from client.host_values import HostData, KeyInfo, as_host_data, broadcast_specs,
 from client.interop import LocalArrayMethods, asked_by_jax, called_by_device_get, local_value, register
 from client.session import Session, current
 from client.slices import VirtualSlice
-from pathways.errors import IslandFailedError, PathwaysError, ProgramError
+from pathways.errors import ClusterSuspendedError, IslandFailedError, PathwaysError, ProgramError
 from pathways.messages import Put
 from pathways.ops import Aval, SliceDesc, spec_of
 from pathways.protocol.connection import Connection
@@ -152,12 +152,8 @@ class Array(LocalArrayMethods):
             return self._value
         self._check_live("fetching")
         if self._value is None:
-            if self._refs is not None:
-                refs, t = self._refs, self._session.timeouts.fetch
-                self._refs = None
-            else:
-                refs, t = self._send_fetch(timeout, ready_only=False)
-            parts = self._wait(refs, t)
+            refs, self._refs = self._refs, None
+            parts = self._read(timeout, False, refs)
             data = assemble(self.physical, [piece for part in parts for piece in part])
             if self._key is not None:
                 self._value = self._key.wrap(data)
@@ -171,9 +167,23 @@ class Array(LocalArrayMethods):
         """Wait until the value is computed on the island, without moving it (as ``jax.Array.block_until_ready``)."""
         if self._value is None:
             self._check_live("waiting for")
-            refs, t = self._send_fetch(timeout, ready_only=True)
-            self._wait(refs, t)
+            self._read(timeout, True, None)
         return self
+
+    def _read(self, timeout: float | None, ready_only: bool, refs: list | None) -> list:
+        """The hosts' answers to a fetch (``refs``: one already sent). A cluster suspended meanwhile is waited for
+        (``pw.Timeouts.suspend``) and asked again once it resumes: the value was saved with it."""
+        try:
+            return self._wait(*self._sent(timeout, ready_only, refs))
+        except ClusterSuspendedError:
+            pass  # suspended while it waited: the value was saved with the cluster, so ask again once it resumes
+        return self._wait(*self._sent(timeout, ready_only, None))
+
+    def _sent(self, timeout: float | None, ready_only: bool, refs: list | None) -> tuple[list, float]:
+        s = self._session
+        if not s.gate.open:
+            s.gate.wait_open(s.timeouts.suspend, f"fetching {self._describe()}")
+        return (refs, s.timeouts.fetch) if refs is not None else self._send_fetch(timeout, ready_only)
 
     def __jax_array__(self) -> jax.Array:
         """The value as a local ``jax.Array`` (fetched once, then kept): what ``jnp`` functions, operators and
@@ -252,6 +262,12 @@ class Array(LocalArrayMethods):
         except Exception:  # interpreter shutdown: the cluster frees everything anyway
             pass
 
+    def _settle(self) -> None:
+        """The client knows this value was computed (it read a value computed from it on its island): from now
+        on it depends on its own island alone, so waiting for it, or for values computed from it there, no
+        longer fails because another island it once came from failed."""
+        self.islands = frozenset({self.slice.island})
+
     def _donate(self, to: str) -> None:
         """The buffer was given to ``to``: free it now (the host drops it at the call, or, if it could not
         donate it, after the call) and refuse every later use."""
@@ -321,17 +337,18 @@ def put(tree: Any, slice: VirtualSlice, specs: Any = None) -> Any:  # noqa: A002
 def put_host(session: Session, host: HostData, slice: VirtualSlice, spec: P, what: str) -> Array:  # noqa: A002
     """Send one converted host value to ``slice``, sharded by ``spec``: each host receives only its own shards,
     straight from this process, one piece per distinct device region (a device adopts its piece as is)."""
-    check_spec(spec, host.shape, slice.shape, slice.axis_names, what)
-    array = host.data
-    buffer_id = session.mint()
-    regions = owned_regions(array.shape, slice.desc(), spec)
-    for h in slice.hosts:
-        mine = sorted(regions[h])
-        datas = [np.ascontiguousarray(array[tuple(np.s_[a:b] for a, b in index)]) for index in mine]
-        upload = PutData(buffer_id, [[list(r) for r in index] for index in mine], array.dtype.name)
-        session.upload(slice.island, h, upload.encode(), datas)
-    msg = Put(buffer_id, slice.desc(), spec_of(spec_to_wire(spec)), Aval(tuple(array.shape), array.dtype.name))
-    session.submit(slice.island, msg.encode())
+    with session.gate.sending(session.timeouts.suspend, what):
+        check_spec(spec, host.shape, slice.shape, slice.axis_names, what)
+        array = host.data
+        buffer_id = session.mint()
+        regions = owned_regions(array.shape, slice.desc(), spec)
+        for h in slice.hosts:
+            mine = sorted(regions[h])
+            datas = [np.ascontiguousarray(array[tuple(np.s_[a:b] for a, b in index)]) for index in mine]
+            upload = PutData(buffer_id, [[list(r) for r in index] for index in mine], array.dtype.name)
+            session.upload(slice.island, h, upload.encode(), datas)
+        msg = Put(buffer_id, slice.desc(), spec_of(spec_to_wire(spec)), Aval(tuple(array.shape), array.dtype.name))
+        session.submit(slice.island, msg.encode())
     return Array(session, buffer_id, host.shape, host.dtype, slice, spec, frozenset({slice.island}),
                  weak_type=host.weak_type, key=host.key)
 

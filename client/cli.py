@@ -109,8 +109,24 @@ def parser() -> argparse.ArgumentParser:
                     "runtime's files (Ray's token included); needs the runtime to run as root")
     up.add_argument("--session-grace", type=float, default=Timeouts().grace, metavar="SECONDS",
                     help="how long a session whose client vanished is kept before it is reclaimed")
+    up.add_argument("--suspend-dir", metavar="DIR", help="where SIGTERM to the runtime (a preemption notice) "
+                    "suspends the cluster, and the default of `pathways suspend`: a path on the head node or an "
+                    "fsspec URL")
     up.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the cluster to start")
     up.set_defaults(run=cmd_up)
+
+    su = sub.add_parser("suspend", parents=[common, admin], help="save every tenant's arrays, sessions and "
+                        "executables into DIR and stop the islands; attached clients wait")
+    su.add_argument("dir", nargs="?", metavar="DIR", help="a new or empty directory on the head node, or an fsspec "
+                    "URL (default: `up --suspend-dir`)")
+    su.add_argument("--timeout", type=float, default=60.0, help="seconds each step may take (default 60)")
+    su.set_defaults(run=cmd_suspend)
+    rs = sub.add_parser("resume", parents=[common, admin], help="restore a suspended cluster from DIR, here or on "
+                        "a new cluster of the same topology; attached clients go on")
+    rs.add_argument("dir", nargs="?", metavar="DIR", help="what `pathways suspend` wrote (default: where this "
+                    "runtime was suspended to)")
+    rs.add_argument("--timeout", type=float, default=60.0, help="seconds each step may take (default 60)")
+    rs.set_defaults(run=cmd_resume)
 
     dn = sub.add_parser("down", parents=[admin], help="stop the runtime and its jobs; stop the Ray head if `up` "
                         "started it (also what an interrupted `up` left)")
@@ -280,7 +296,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         info = _launch("up", {"ray_address": ray_address, "topology": topology.to_wire(), "admin_credential": token,
                               "registry": registry, "default_quota": args.quota, "job_user": args.job_user,
                               "client_ports": [args.client_port, args.client_port], "op_timeout": timeouts.op,
-                              "gap_timeout": timeouts.gap, "start_timeout": timeouts.start, "grace": timeouts.grace},
+                              "gap_timeout": timeouts.gap, "start_timeout": timeouts.start, "grace": timeouts.grace,
+                              "suspend_dir": _location(args.suspend_dir)},
                        args.timeout + 60)
     except BaseException:  # Ctrl-C, a kill, a failure: take down what this `up` started, and forget it
         if started["pid"] is not None:
@@ -300,7 +317,52 @@ def cmd_up(args: argparse.Namespace) -> int:
           f"  add a tenant:        pathways tenants add NAME --weight W [--quota DEVICES]   (prints its login)\n"
           f"  submit a job:        pathways submit --tenant NAME -- python script.py\n"
           f"  attach from Python:  pw.init()   (on this machine), else pw.init(address=\"{address}\")\n"
-          f"  watch / stop:        pathways status | pathways tenants list | pathways jobs | pathways down")
+          f"  watch / stop:        pathways status | pathways tenants list | pathways jobs | pathways down\n"
+          f"  suspend / resume:    pathways suspend {args.suspend_dir or 'DIR'} | pathways resume"
+          + (f"   (SIGTERM to the runtime suspends into {args.suspend_dir})" if args.suspend_dir else ""))
+    return 0
+
+
+def _location(directory: str | None) -> str | None:
+    """A suspend directory as the runtime on this machine reads it: absolute, or an fsspec URL as given."""
+    if not directory or "://" in directory:
+        return directory
+    return os.path.abspath(os.path.expanduser(directory))
+
+
+def _suspend_or_resume(args: argparse.Namespace, op: str) -> dict:
+    from client.admin import Admin
+
+    if not (math.isfinite(args.timeout) and 0 < args.timeout <= 86400):
+        raise CliError(f"--timeout must be a number of seconds between 0 and 86400, got {args.timeout}")
+    credential = secrets.need_admin_credential(args.admin_credential_file, f"`pathways {op}`")
+    try:
+        admin = Admin.connect(resolve_address(args.address), credential)
+        return getattr(admin, op)(_location(args.dir), args.timeout)
+    except PathwaysError as exc:
+        raise CliError(str(exc)) from None
+
+
+def cmd_suspend(args: argparse.Namespace) -> int:
+    """``pathways suspend``: save the cluster into a directory and stop its islands."""
+    done = _suspend_or_resume(args, "suspend")
+    say(f"suspended into {done['suspended']} in {done['seconds']:.1f}s: {done['buffers']} buffers "
+        f"({done['bytes'] / 2**30:.3f} GiB) of {done['sessions']} sessions. The islands are stopped; attached "
+        f"clients wait. Resume with `pathways resume` (here, or after `pathways down` and `pathways up` with the same "
+        f"topology: `pathways resume {done['suspended']}`)")
+    if done.get("clients_silent"):
+        say(f"  clients {done['clients_silent']} did not say they stopped sending: messages they send meanwhile go "
+            "after the resume")
+    return 0
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    """``pathways resume``: restore a suspended cluster from its directory."""
+    done = _suspend_or_resume(args, "resume")
+    dropped = done.get("sessions_dropped") or []
+    say(f"resumed from {done['resumed']} in {done['seconds']:.1f}s: {done['buffers']} buffers "
+        f"({done['bytes'] / 2**30:.3f} GiB) of {done['sessions']} sessions; attached clients go on"
+        + (f". Left out {len(dropped)} sessions (closed meanwhile, or their tenant was removed)" if dropped else ""))
     return 0
 
 

@@ -142,8 +142,15 @@ def check_sizes(program: Program, session: Session) -> None:
 
 def dispatch(traced: Traced, leaves: list) -> Any:
     """Send one call of a traced program: its host values first, then one message per island; returns the
-    outputs as ``pw.Array`` futures at once. The pw.Arrays the program donates are gone afterwards."""
+    outputs as ``pw.Array`` futures at once. The pw.Arrays the program donates are gone afterwards. While the
+    cluster is suspended, a call waits for the resume (``pw.Timeouts.suspend``); a call under way when a suspend
+    begins reaches all its islands before the client stops sending."""
     session = current()
+    with session.gate.sending(session.timeouts.suspend, f"calling {traced.program.name!r}"):
+        return _send(session, traced, leaves)
+
+
+def _send(session: Session, traced: Traced, leaves: list) -> Any:
     program = traced.program
     inputs = _inputs(session, traced, leaves)
     lowered = traced.lowered

@@ -7,6 +7,10 @@ switch: the caller sends it. Otherwise the host is still busy with earlier batch
 for the oldest answer together with whatever else the client dispatches meanwhile; all of them then go as one
 batch. A client dispatching faster than the host absorbs pays one frame per batch instead of one per message,
 and so does the host, which every client of the island shares.
+
+While the cluster is suspended an outbox holds what it is given: a batch the host answered "suspended" (or
+that was under way when the islands stopped) is kept, and once the cluster resumes the outbox sends again from
+the message the island's host 0 says it takes next (``resume``), so no message is lost or taken twice.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from concurrent.futures import Future, wait
 from typing import Any
 
 from client.link import LinkClosed
-from pathways.errors import PathwaysError
+from pathways.errors import ClusterSuspendedError, PathwaysError
 from pathways.requests import Batch
 
 WINDOW = 2  # batches sent and not answered yet, per island
@@ -34,8 +38,10 @@ class Outbox:
         self._lock = threading.Lock()
         self._sending = threading.Lock()  # one sender at a time, so batches leave in their stream's order
         self._held: list[bytes] = []
-        self._answers: deque[Future] = deque()
+        self._answers: deque[tuple[Future, int, list[bytes]]] = deque()  # (answer, first message's number, batch)
+        self._unsent: list[tuple[int, list[bytes]]] = []  # batches the suspended cluster did not take
         self._next = 0  # the number of the next message in this client's stream to the island
+        self.paused = False  # the cluster is suspended: hold everything
         self.failed: str | None = None
 
     def put(self, payload: bytes) -> None:
@@ -55,17 +61,21 @@ class Outbox:
             finally:
                 self._sending.release()
             with self._lock:  # a message put while we were letting go would otherwise wait for the next answer
-                if not self._held or self._window_full():
+                if not self._held or self._window_full() or self.paused:
                     return
 
     def _window_full(self) -> bool:
-        while self._answers and self._answers[0].done():
-            self._answers.popleft()
+        while self._answers and self._answers[0][0].done():
+            answer, first, batch = self._answers.popleft()
+            exc = answer.exception()
+            if isinstance(exc, ClusterSuspendedError) or (isinstance(exc, LinkClosed) and self.paused):
+                self._unsent.append((first, batch))
+                self.paused = True
         return len(self._answers) >= self._window
 
     def _send_one(self) -> bool:
         with self._lock:
-            if not self._held or self._window_full():
+            if not self._held or self._window_full() or self.paused:
                 return False
             batch, self._held = self._held, []
             first = self._next
@@ -77,32 +87,59 @@ class Outbox:
             log.info("island %d did not take %d message(s): %s", self._island, len(batch), exc)
             return True
         with self._lock:
-            self._answers.append(answer)
+            self._answers.append((answer, first, batch))
         answer.add_done_callback(self._answered)
         return True
 
     def _answered(self, answer: Future) -> None:
         """Runs on the link's reader thread: only wakes the sender thread, never sends."""
         exc = answer.exception()
-        if exc is not None and not isinstance(exc, LinkClosed):  # a dead island is the session's to report
+        if isinstance(exc, ClusterSuspendedError):
+            self.paused = True  # kept and sent again after the resume (``_window_full`` keeps the batch)
+        elif exc is not None and not isinstance(exc, LinkClosed):  # a dead island is the session's to report
             log.error("island %d refused a batch of this client's messages: %s", self._island, exc)
         if self._held:
             self._wake.set()
+
+    def pause(self) -> None:
+        """The cluster is suspended: send nothing until ``resume``."""
+        with self._lock:
+            self.paused = True
+
+    def resume(self, position: int) -> None:
+        """The cluster resumed and island's host 0 takes message ``position`` of this client's stream next: send
+        again from there (what it took before the suspend is not sent twice)."""
+        with self._lock:
+            self.paused = True  # so that _window_full keeps every unanswered batch
+            self._window_full()
+            kept = sorted(self._unsent + [(first, batch) for _, first, batch in self._answers])
+            self._answers.clear()
+            self._unsent = []
+            again: list[bytes] = []
+            for first, batch in kept:
+                again += batch[max(0, position - first):] if first + len(batch) > position else []
+            missing = self._next - position - len(again)
+            if missing > 0 or position > self._next:
+                log.error("island %d took messages %d.. of this client but %d were sent: %d message(s) are lost",
+                          self._island, position, self._next, max(missing, 0))
+            self._held = again + self._held
+            self._next = position
+            self.paused = False
+        self._wake.set()
 
     def drain(self, deadline: float) -> bool:
         """Send everything held, waiting for answers as needed; False if ``deadline`` (monotonic) passed first."""
         while True:
             self.flush()
             with self._lock:
-                if not self._held and not self._answers:
-                    return True
-                pending = list(self._answers)
+                self._window_full()  # drops the answered ones
+                if self.paused or (not self._held and not self._answers):
+                    return True  # paused: what is held goes after the resume
+                pending = [answer for answer, _, _ in self._answers]
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
             wait(pending[:1], timeout=left)
-            with self._lock:
-                self._window_full()  # drops the answered ones
 
 
 class Outboxes:
@@ -134,6 +171,15 @@ class Outboxes:
     def restart(self, island: int) -> None:
         """A restarted island's new scheduler: the client's stream to it starts again at message 0."""
         self._boxes[island] = Outbox(self._session, island, self._wake, self._window)
+
+    def pause(self) -> None:
+        """The cluster is suspended: every outbox holds what it is given."""
+        for box in self._boxes:
+            box.pause()
+
+    def resume(self, island: int, position: int) -> None:
+        """The cluster resumed: ``island``'s outbox sends again from message ``position`` (``Outbox.resume``)."""
+        self._boxes[island].resume(position)
 
     def drain(self, timeout: float, skip: set[int]) -> bool:
         """Send everything held (except to the islands in ``skip``); False if an island did not take it in time."""

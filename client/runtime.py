@@ -44,7 +44,9 @@ class Timeouts:
         grace: how long the runtime keeps a session whose client's connection is gone (it may come back) before
             it reclaims everything the session held; fixed when the runtime starts.
         suspend: how long a call made while the admin has the cluster suspended waits for it to resume before it
-            fails with ClusterSuspendedError (and how long a client keeps trying to reach a resumed runtime).
+            fails with ClusterSuspendedError.
+        reattach: how long a client whose suspended runtime went away keeps trying to reach it again at its
+            address (where the admin resumes it on a new cluster).
     """
 
     fetch: float = 120.0
@@ -54,6 +56,7 @@ class Timeouts:
     gap: float = 30.0
     grace: float = 10.0
     suspend: float = 60.0
+    reattach: float = 600.0
 
 
 def current_file() -> Path:

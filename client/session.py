@@ -16,6 +16,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,17 +24,20 @@ from typing import Any
 from client.link import Link, LinkClosed, expect_role
 from client.outbox import Outboxes
 from client.runtime import Embedded, Timeouts, find_address, home, load_login
+from client.suspension import RUNNING, Gate, suspended_error
 from pathways import auth
-from pathways.errors import IslandFailedError, PathwaysError, ResourceError, TenantAccessError
+from pathways.errors import ClusterSuspendedError, IslandFailedError, PathwaysError, ResourceError, TenantAccessError
 from pathways.events import EventLog
 from pathways.messages import CLIENT_ID_BITS, Free
 from pathways.names import CREDENTIAL_ENV, JOB_ENV, TENANT_ENV, TICKET_FD_ENV
 from pathways.ops import Limits
-from pathways.requests import Close, HostStats, Open, Ready, Renew, Stalled, Suspect, Usage
+from pathways.requests import Close, HostStats, Open, Position, Quiesced, Ready, Renew, Stalled, Suspect, Usage, Watch
 from pathways.topology import Topology
 
 RENEW_S = 5.0  # how often the session is renewed (and islands' restarts learned)
 RPC_GRACE_S = 5.0  # a host's answer may take this long beyond the wait it enforces
+STOP_SENDING_S = 2.0  # a suspend gives attached clients 5 s to say they stopped sending: calls under way, then
+DRAIN_S = 2.5  # what they hold
 log = logging.getLogger(__name__)
 
 
@@ -98,10 +102,12 @@ class Session:
         self.outboxes = Outboxes(self, len(self.islands))
         self.frees = FreeBatcher(self)
         self.events = EventLog()
+        self.gate = Gate()
         self._stop = threading.Event()
         self._renewed = time.monotonic()
         self._renewer = threading.Thread(target=self._renew_loop, name="pathways-renew", daemon=True)
         self._renewer.start()
+        threading.Thread(target=self._watch_loop, name="pathways-watch", daemon=True).start()
 
     # -- ids ------------------------------------------------------------------------------------------------
     def mint(self, n: int = 1) -> int:
@@ -123,8 +129,13 @@ class Session:
                                 "call pw.init() again once it is back") from None
 
     def _rm_broken(self, reason: str) -> None:
-        if not self.closed:
+        if self.closed:
+            return
+        if self.gate.open:
             log.error("the connection to the runtime at %s ended (%s); this session is over", self.address, reason)
+        else:
+            log.warning("the suspended runtime at %s went away (%s); this client reattaches once it is resumed there "
+                        "(for at most %.0fs, pw.Timeouts.reattach)", self.address, reason, self.timeouts.reattach)
 
     def _renew_loop(self) -> None:
         while not self._stop.wait(RENEW_S):
@@ -132,10 +143,110 @@ class Session:
                 self._renewed = time.monotonic()
                 self.update_islands(self.rm.call(lambda rid: Renew(rid), self.timeouts.start)["islands"])
             except PathwaysError as exc:
-                if not self.closed:
+                if not self.closed and self.gate.open:
                     log.warning("renewing the session failed: %s", exc)
-                if not self.rm.alive:
+                if not self.rm.alive and self.gate.open:
                     return
+
+    # -- suspend and resume -------------------------------------------------------------------------------
+    def _watch_loop(self) -> None:
+        """Hear every change of the cluster's state (a suspend, a resume) from the resource manager at once."""
+        seen = -1
+        while not self._stop.is_set():
+            rm = self.rm
+            future = rm.start(lambda rid, seen=seen: Watch(rid, seen))
+            try:
+                while not future.done() and not self._stop.is_set():
+                    futures_wait([future], timeout=RENEW_S)
+                if self._stop.is_set():
+                    return
+                state = future.result()
+            except PathwaysError:
+                if self.closed or self.gate.open or not self._reattach():
+                    return
+                seen = -1
+                continue
+            seen = state["generation"]
+            try:
+                self._on_cluster(state)
+            except Exception as exc:  # never let the watcher die silently
+                log.error("following the cluster's state (%s) failed: %s", state.get("state"), exc)
+
+    def _on_cluster(self, state: dict) -> None:
+        phase = state["state"]
+        if phase == "suspending":
+            if self.gate.open:
+                self._stop_sending(state["generation"])
+        elif phase != RUNNING:
+            self.gate.close(phase, 0.0)
+            self.outboxes.pause()
+        elif not self.gate.open:
+            self._resumed(state["islands"])
+        else:
+            self.update_islands(state["islands"])
+
+    def _stop_sending(self, generation: int) -> None:
+        """The admin suspends the cluster: let the calls under way finish, send what is held, hold the rest, and
+        tell the resource manager this client is quiet."""
+        finished = self.gate.close("suspending", STOP_SENDING_S)
+        self.frees.flush()
+        drained = self.outboxes.drain(DRAIN_S, skip=set(self.dead))
+        self.outboxes.pause()
+        if not finished or not drained:
+            log.warning("the cluster is being suspended and this client could not finish sending in time; what it "
+                        "still held is sent after the resume")
+        try:
+            self.rm.start(lambda rid: Quiesced(rid, generation))
+        except PathwaysError as exc:
+            log.info("could not tell the resource manager this client stopped sending: %s", exc)
+
+    def _reattach(self) -> bool:
+        """The suspended runtime's resource manager went away: connect to its address again (a resume on a new
+        cluster serves this session's key there) until it answers or ``timeouts.reattach`` passes."""
+        deadline = time.monotonic() + self.timeouts.reattach
+        while not self._stop.wait(1.0):
+            try:
+                rm = Link(self.address, self.client_id, self._key, expect_role(None, "rm"), "the resource manager",
+                          self._rm_broken, timeout=5.0)
+            except PathwaysError:
+                if time.monotonic() >= deadline:
+                    break
+                continue
+            self.rm, self.runtime = rm, rm.identity.runtime
+            log.warning("reattached to the runtime at %s", self.address)
+            return True
+        if not self._stop.is_set():
+            log.error("the suspended runtime at %s was not back within %.0fs (pw.Timeouts.reattach); this session is "
+                      "over: call pw.init() again", self.address, self.timeouts.reattach)
+        return False
+
+    def _resumed(self, islands: list[dict]) -> None:
+        """The cluster runs again, with new hosts: connect to them, send again from where each island's order
+        stands, and let calls go on."""
+        for info in islands:
+            k = info["index"]
+            with self._lock:
+                old = self.islands[k]
+                for link in old.links.values():
+                    link.close()
+                self.islands[k] = IslandClient(k, info["hosts"], info["epoch"], info["healthy"])
+                self.sent_exes[k] = set()  # the restored hosts may lack some; sending one again costs little
+                self.dead.pop(k, None)
+            if info["epoch"] != old.epoch or not info["healthy"]:
+                self.outboxes.restart(k)  # another island than the one saved: this client's buffers are gone
+                if not info["healthy"]:
+                    self.dead[k] = info["reason"] or "unhealthy"
+                continue
+            try:
+                position = self._connect(k, 0).call(lambda rid: Position(rid), self.timeouts.start)
+            except PathwaysError as exc:
+                log.error("island %d did not say where this client's messages resume (%s)", k, exc)
+                self.outboxes.restart(k)
+                self.island_failed(k, str(exc))
+                continue
+            self.outboxes.resume(k, int(position))
+        self.gate.reopen()
+        log.warning("the cluster was resumed; this client goes on")
 
     def update_islands(self, islands: list[dict]) -> None:
         """What the resource manager says of the islands now: an island whose epoch grew restarted, with new
@@ -163,7 +274,17 @@ class Session:
 
     # -- islands --------------------------------------------------------------------------------------------
     def link(self, island: int, host: int) -> Link:
-        """The connection to host ``host`` of ``island`` (made on first use)."""
+        """The connection to host ``host`` of ``island`` (made on first use); ClusterSuspendedError while the
+        cluster is suspended."""
+        with self._lock:
+            found = self.islands[island].links.get(host)
+            if found is not None and found.alive:
+                return found
+        if not self.gate.open:
+            raise suspended_error(f"reaching island {island}", self.gate.phase)
+        return self._connect(island, host)
+
+    def _connect(self, island: int, host: int) -> Link:
         with self._lock:
             isl = self.islands[island]
             found = isl.links.get(host)
@@ -208,7 +329,7 @@ class Session:
         """Send a request to a host; the future of its answer (IslandFailedError if the host is gone)."""
         try:
             return self.link(island, host).start(make, sink=sink)
-        except IslandFailedError as exc:
+        except (IslandFailedError, ClusterSuspendedError) as exc:
             future: Future = Future()
             future.set_exception(exc)
             return future
@@ -244,8 +365,9 @@ class Session:
         return island not in self.dead
 
     def island_failed(self, island: int, reason: str) -> None:
-        """This client saw ``island`` fail: stop sending to it, and ask the resource manager to check it."""
-        if island in self.dead or self.closed:
+        """This client saw ``island`` fail: stop sending to it, and ask the resource manager to check it. (While
+        the cluster is suspended its hosts stop on purpose.)"""
+        if island in self.dead or self.closed or not self.gate.open:
             return
         self.dead[island] = reason
         try:
@@ -255,7 +377,10 @@ class Session:
 
     def check_islands(self, islands: frozenset[int]) -> None:
         """Raise IslandFailedError if one of ``islands`` failed (its connection broke, or the resource manager,
-        asked at most once per poll interval, says so) and has not restarted."""
+        asked at most once per poll interval, says so) and has not restarted; ClusterSuspendedError if the
+        cluster is suspended."""
+        if not self.gate.open:
+            raise suspended_error("waiting for a result", self.gate.phase)
         if time.monotonic() - self._renewed > self.timeouts.poll:
             self.refresh(-1)
         for i in sorted(islands):
@@ -289,7 +414,7 @@ class Session:
             if not future.done():
                 continue
             exc = future.exception()
-            if isinstance(exc, LinkClosed):
+            if isinstance(exc, (LinkClosed, ClusterSuspendedError)):
                 self.check_islands(islands)
                 raise IslandFailedError(f"{what} failed: {exc}") from None
             if exc is not None:

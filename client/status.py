@@ -47,9 +47,12 @@ def status(timeout: float = 10.0) -> ClusterStatus:
 
 
 def admin_status(admin: Any) -> ClusterStatus:
-    """The whole cluster, every tenant named (``admin``: a ``pw.Admin``)."""
-    by_island = {s["island"]: s for s in admin.schedules()}
+    """The whole cluster, every tenant named (``admin``: a ``pw.Admin``). A suspended cluster's hosts are
+    stopped: they are shown as not alive."""
     state = admin.state()
+    if state["cluster"]["state"] != "running":
+        return snapshot(state, [[None] * len(i["hosts"]) for i in state["islands"]], [None] * len(state["islands"]))
+    by_island = {s["island"]: s for s in admin.schedules()}
     return snapshot(state, admin.host_stats(), [by_island.get(i["index"]) for i in state["islands"]])
 
 
@@ -79,4 +82,5 @@ def snapshot(state: dict, host_stats: list[list[dict | None]], schedules: list[d
                                     sched.get("others_time_s", 0.0), sched.get("others_time_recent_s", 0.0),
                                     isl.get("epoch", 0), restarts))
     return ClusterStatus(Topology.from_wire(state["topology"]), islands, state["allocations"], state["clients"],
-                         state.get("tenants", {}), state.get("reclaimed", []), state.get("others", {}))
+                         state.get("tenants", {}), state.get("reclaimed", []), state.get("others", {}),
+                         state.get("cluster", {}))

@@ -24,6 +24,7 @@ class Gate:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._sending = 0
+        self._mine = threading.local()  # how deep this thread is in ``sending`` (a call's puts are part of it)
         self.phase = RUNNING  # the cluster's phase as this client last heard it
 
     @property
@@ -34,13 +35,23 @@ class Gate:
     @contextmanager
     def sending(self, timeout: float, what: str) -> Iterator[None]:
         """Hold the gate open for one call (``what``), waiting at most ``timeout`` seconds for a suspended
-        cluster to resume."""
+        cluster to resume. Within a call that holds it already, it passes at once."""
+        depth = getattr(self._mine, "depth", 0)
+        if depth:
+            self._mine.depth = depth + 1
+            try:
+                yield
+            finally:
+                self._mine.depth = depth
+            return
         with self._cond:
             self._wait_open(timeout, what)
             self._sending += 1
+        self._mine.depth = 1
         try:
             yield
         finally:
+            self._mine.depth = 0
             with self._cond:
                 self._sending -= 1
                 self._cond.notify_all()

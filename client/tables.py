@@ -29,7 +29,9 @@ def render_status(st: Any, address: str, refusals: list[dict] | None = None) -> 
     from pathways.cluster import format_bytes
 
     view = "whole cluster (admin)" if refusals is not None else "your tenant's view"
-    out = [f"cluster {address}: {st.topology}; {view}", ""]
+    phase = "" if st.state == "running" else f"; {st.state.upper()}" + (
+        f" into {st.cluster['suspended_to']} (`pathways resume` restores it)" if st.cluster.get("suspended_to") else "")
+    out = [f"cluster {address}: {st.topology}; {view}{phase}", ""]
     rows = []
     for isl in st.islands:
         times = dict(isl.tenant_time_s)

@@ -88,13 +88,21 @@ class ClusterStatus:
     tenants: dict[str, dict] = field(default_factory=dict)
     reclaimed: list[dict] = field(default_factory=list)
     others: dict = field(default_factory=dict)  # other tenants' slices and devices, as counts
+    cluster: dict = field(default_factory=dict)  # state ("running", "suspending", "suspended", "resuming")
+
+    @property
+    def state(self) -> str:
+        """Whether the cluster runs, or is suspended by its admin (or on the way)."""
+        return self.cluster.get("state", "running")
 
     def host(self, island: int, host: int = 0) -> HostStatus:
         """The status of host ``host`` of island ``island``."""
         return self.islands[island].hosts[host]
 
     def __str__(self) -> str:
-        lines = [f"topology: {self.topology}"]
+        lines = [f"topology: {self.topology}" + ("" if self.state == "running" else f"; cluster {self.state.upper()}"
+                                                  + (f" into {self.cluster['suspended_to']}"
+                                                     if self.cluster.get("suspended_to") else ""))]
         for isl in self.islands:
             health = "healthy" if isl.healthy else f"UNHEALTHY ({isl.reason})"
             shares = ", ".join(f"{t} {100 * v:.0f}%" for t, v in sorted(isl.tenant_share.items()))

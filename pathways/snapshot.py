@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import time
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,6 +30,21 @@ def host_part(island: int, host: int) -> tuple[str, str]:
     """The names of host ``host`` of ``island``'s data file and index in the directory."""
     stem = f"island-{island}-host-{host}"
     return f"{stem}.bin", f"{stem}.json"
+
+
+def stamped(root: str, when: float) -> str:
+    """A new snapshot's directory under ``root`` (a runtime's ``--suspend-dir``), named by its UTC time so that
+    names sort by age."""
+    return f"{root.rstrip('/')}/{time.strftime('%Y%m%d-%H%M%S', time.gmtime(when))}"
+
+
+def newest(root: str) -> str | None:
+    """The newest finished snapshot (one with a manifest) directly under ``root``, or None."""
+    store = Store(root)
+    for name in sorted(store.children(), reverse=True):
+        if Store(f"{store.location}/{name}").exists(MANIFEST):
+            return f"{store.location}/{name}"
+    return None
 
 
 def checksum(data: Any, start: int = 0) -> int:
@@ -85,6 +101,17 @@ class Store:
             raise PathwaysError(f"{self.location} is writable by others or not owned by this user (uid "
                                 f"{os.getuid()}); a snapshot holds every tenant's arrays and keys: use a directory "
                                 "only the runtime's user can write (chmod 700)")
+
+    def children(self) -> list[str]:
+        """The names of the entries directly in the directory (none if it does not exist)."""
+        try:
+            if self._fs is not None:
+                return [str(p).rstrip("/").rsplit("/", 1)[-1] for p in self._fs.ls(self._root, detail=False)]
+            return os.listdir(self._root)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        except OSError as exc:
+            raise PathwaysError(f"cannot list {self.location}: {exc}") from None
 
     def exists(self, name: str) -> bool:
         """Whether the snapshot has file ``name``."""

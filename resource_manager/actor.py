@@ -30,17 +30,19 @@ def launch_mac(admin_digest: str, purpose: str) -> bytes:
     return auth.sign(bytes.fromhex(admin_digest), purpose)
 
 
-def suspend_on_sigterm(rm: ResourceManager, directory: str, timeout: float) -> None:
-    """SIGTERM (a preemption notice) suspends the cluster into ``directory`` instead of ending this process,
-    which stays up, suspended: if the machine survives after all, ``pathways resume`` goes on here."""
+def suspend_on_sigterm(rm: ResourceManager, timeout: float) -> None:
+    """SIGTERM (a preemption notice) suspends the cluster into a new directory under the runtime's
+    ``--suspend-dir`` instead of ending this process, which stays up, suspended: if the machine survives after
+    all, ``pathways resume`` goes on here."""
     def suspend() -> None:
+        directory = rm.snapshot_dir()
         try:
+            log.warning("SIGTERM: suspending the cluster into %s", directory)
             rm.suspension.suspend(directory, timeout)
         except Exception as exc:  # the admin reads why in the log and in pathways status
             log.error("SIGTERM: suspending into %s failed: %s", directory, exc)
 
     def handler(signum: int, frame: Any) -> None:
-        log.warning("SIGTERM: suspending the cluster into %s", directory)
         threading.Thread(target=suspend, name="suspend-on-sigterm", daemon=True).start()
 
     try:
@@ -60,7 +62,7 @@ class ManagerActor:
         self._service = ManagerService(self._rm, ray.util.get_node_ip_address(), ports)
         self._service.jobs = JobRunner(self._rm, self._service.address, self._config.jobs_dir, self._config.job_user)
         if self._config.suspend_dir:
-            suspend_on_sigterm(self._rm, self._config.suspend_dir, self._config.suspend_timeout)
+            suspend_on_sigterm(self._rm, self._config.suspend_timeout)
 
     def _check(self, mac: Any, purpose: str) -> None:
         digest = self._config.admin_digest

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from typing import Any
 
 import ray
 
-from pathways import auth
+from pathways import auth, snapshot
 from pathways.budgets import Budgets, over
 from pathways.errors import PathwaysError, ResourceError, TenantAccessError
 from pathways.messages import (
@@ -555,16 +556,24 @@ class ResourceManager:
             return handler(args)
 
     def _suspend(self, args: dict) -> dict:
-        directory = args.get("dir") or self.config.suspend_dir
-        if not directory:
+        directory = args.get("dir") or self.snapshot_dir()
+        if not isinstance(directory, str):
             raise PathwaysError("name the directory to suspend into (pathways suspend DIR), or start the runtime "
                                 "with `pathways up --suspend-dir DIR`")
-        return self.suspension.suspend(str(directory), _seconds(args.get("timeout"), self.config.suspend_timeout))
+        return self.suspension.suspend(directory, _seconds(args.get("timeout"), self.config.suspend_timeout))
 
     def _resume(self, args: dict) -> dict:
-        directory = args.get("dir")
-        return self.suspension.resume(str(directory) if directory else None,
-                                      _seconds(args.get("timeout"), self.config.suspend_timeout))
+        directory = args.get("dir") or self.suspension.directory
+        if not directory and self.config.suspend_dir:
+            directory = snapshot.newest(self.config.suspend_dir)
+        if not isinstance(directory, str):
+            raise PathwaysError("name the directory to resume from (pathways resume DIR): this runtime was not "
+                                "suspended, and its --suspend-dir holds no finished suspend")
+        return self.suspension.resume(directory, _seconds(args.get("timeout"), self.config.suspend_timeout))
+
+    def snapshot_dir(self) -> str | None:
+        """Where a suspend that names no directory goes: a new one under ``--suspend-dir``, named by its time."""
+        return snapshot.stamped(self.config.suspend_dir, time.time()) if self.config.suspend_dir else None
 
     def _admin_ops(self) -> dict[str, Any]:
         return {"tenants": lambda a: self._tenants(), "tenant_add": self._tenant_add, "tenant_set": self._tenant_set,
@@ -689,8 +698,8 @@ class ResourceManager:
             "reclaimed": [r for r in self.reclaimed if mine(r["tenant"])][-20:],
             "refusals": self.refusals[-20:] if tenant is None else [],
             "cluster": {"state": self.suspension.phase, "generation": self.suspension.generation,
-                        **({"suspended_to": self.suspension.directory, "last": self.suspension.last}
-                           if tenant is None else {})},
+                        **({"suspended_to": self.suspension.directory, "last": self.suspension.last,
+                            "pid": os.getpid(), "suspend_dir": self.config.suspend_dir} if tenant is None else {})},
         }
 
 

@@ -29,7 +29,7 @@ from typing import Any
 import ray
 
 from pathways.errors import ClusterSuspendedError, PathwaysError
-from pathways.snapshot import FORMAT, MANIFEST, Store
+from pathways.snapshot import FORMAT, MANIFEST, Store, host_part
 from pathways.topology import Topology
 from resource_manager.island import restart_island, stop_island
 
@@ -101,20 +101,20 @@ class Suspension:
             self._acks = set()
         attached = {c for c, s in rm.clients.items() if s.connections > 0}
         self._set(SUSPENDING)
-        written: list[str] = []
         try:
             silent = self._wait_acks(attached, started + min(ACK_S, timeout / 4))
-            self._call("quiesce", lambda i, k: (True,))
+            self._call("quiesce", lambda i, k: (1,))
             held = self._wait_quiet(started + timeout)
             parts = self._call("save", lambda i, k: (store.location,), timeout + held / SAVE_BYTES_PER_S)
-            written = [name for p in parts for name in (p["data"], p["index"])]
             manifest = self._manifest(parts, time.monotonic() - started)
             store.write_json(MANIFEST, manifest)
         except BaseException as exc:
-            for name in written:
-                store.remove(name)
+            for island in rm.islands:  # what the hosts that finished wrote
+                for k in range(len(island.hosts)):
+                    for name in host_part(island.index, k):
+                        store.remove(name)
             try:
-                self._call("quiesce", lambda i, k: (False,), tolerate=True)
+                self._call("quiesce", lambda i, k: (0,), tolerate=True)
             finally:
                 self._set(RUNNING)
             reason = str(exc) if isinstance(exc, PathwaysError) else f"{type(exc).__name__}: {exc}"
@@ -183,21 +183,19 @@ class Suspension:
                     "array_bytes": sum(p["array_bytes"] for p in parts)}
 
     # -- resume -------------------------------------------------------------------------------------------
-    def resume(self, directory: str | None, timeout: float) -> dict:
-        """Restore the cluster saved in ``directory`` (default: the last suspend's) on this cluster, suspended
-        or freshly started with the same topology. Raises PathwaysError, with nothing of it used, on failure."""
+    def resume(self, directory: str, timeout: float) -> dict:
+        """Restore the cluster saved in ``directory`` on this cluster, suspended or freshly started with the same
+        topology. Raises PathwaysError, with nothing of it used, on failure."""
         if not self._busy.acquire(blocking=False):
             raise PathwaysError("a suspend or resume is already under way")
         try:
-            return self._resume(directory or self.directory, float(timeout))
+            return self._resume(directory, float(timeout))
         finally:
             self._busy.release()
 
-    def _resume(self, directory: str | None, timeout: float) -> dict:
+    def _resume(self, directory: str, timeout: float) -> dict:
         rm = self.rm
         started = time.monotonic()
-        if directory is None:
-            raise PathwaysError("this cluster was not suspended: name the directory to resume from")
         store = Store(directory)
         manifest = self._check(store)
         fresh = self.phase == RUNNING

@@ -7,6 +7,9 @@ Scenarios, in order (the last one removes a node):
   network    the same cluster: transfers across the nodes go over the network data path (host counters say
              so), and a connection without the runtime's secret is refused.
   palm       the same cluster: PaLM's tiny two-pod step (fingerprints of both pods' parameters).
+  elastic    the same cluster: PaLM's tiny step through pw.elastic; pod 1's host (on the worker) is killed
+             after step 1, pod 0 redoes step 2 alone, the island restarts on the worker and the pod rejoins,
+             receiving the state over the network path; fingerprints of both pods after step 4.
   multihost  Topology(2, 2, 2), island 0 pinned to the worker by a custom resource, island 1 to the head by a
              node label: the multi-host checks of multihost_client.spmd.
   node_loss  the worker node (island 0) is removed while island 0 has work pending and while a transfer from
@@ -42,6 +45,7 @@ NODE_LABEL = "pathways-test/node"
 WORKER_SLOT = "pathways_test_worker"
 TIMEOUTS = dict(fetch=180.0, op=180.0, start=300.0, poll=0.5)
 PALM_STEPS = 2
+ELASTIC_STEPS = 4
 WORKER_RATE = 16e6  # bytes/s the worker node's hosts send at most over the network path
 SHIP_BYTES = 48 << 20  # the transfer that streams when the worker node goes: 3 s at WORKER_RATE
 RUNTIME: dict = {}  # the runtime this script started last: its address and credentials
@@ -258,6 +262,41 @@ def palm() -> dict:
     return {**out, "nodes": placement()}
 
 
+def elastic() -> dict:
+    import jax
+
+    from benchmarks.elastic import digest, kill_host
+    from examples.palm import data, model, optim
+    from examples.palm.config import CONFIGS
+    from examples.palm.step import ElasticTrainStep
+
+    pods = [pw.slice((2, 2), ("data", "model"), island=i) for i in range(2)]
+    config, opt = CONFIGS["tiny"], optim.OptimConfig()
+    params = jax.jit(model.init_params, static_argnums=0)(config, jax.random.key(0))
+    events: list = []
+    step = ElasticTrainStep(config, opt, pods, on_event=events.append)
+    state = step.put_state(params, optim.init_opt_state(params, opt))
+    out: dict = {"losses": [], "pods": []}
+    for i in range(ELASTIC_STEPS):
+        state, pending, _ = step(state, data.batch(i, 0, 8, config.seq_len))
+        metrics, _ = step.read(state, pending, None)
+        out["losses"].append([float(x) for x in metrics[:, 0]])
+        out["pods"].append(list(pending.result.pods))
+        if i == 0:
+            kill_host(1)
+        elif i == 1:
+            out["rejoined"] = step.runner.wait_for_pods(timeout=180)
+    finals = [step.runner.state(p)[1] for p in (0, 1)]
+    out["params"], out["opt_state"] = [digest(f[0]) for f in finals], [digest(f[1]) for f in finals]
+    out["events"] = [(e.kind, e.pod) for e in events]
+    out["nodes"] = placement()
+    out["net_bytes_in"] = _stats(1)["net_bytes_in"]  # since the restart
+    out["state_bytes"] = sum(x.nbytes for x in jax.tree.leaves(finals[1]))
+    for s in pods:
+        s.release()
+    return out
+
+
 def multihost(address: str) -> dict:
     import multihost_client
 
@@ -329,7 +368,7 @@ def main(argv: Sequence[str]) -> None:
 
     from pathways.names import NAMESPACE, RESOURCE_MANAGER
 
-    wanted = set(argv) or {"readme", "network", "palm", "multihost", "node_loss"}
+    wanted = set(argv) or {"readme", "network", "palm", "elastic", "multihost", "node_loss"}
     start = time.monotonic()
     cluster, worker = start_cluster()
     try:
@@ -344,6 +383,8 @@ def main(argv: Sequence[str]) -> None:
             emit("network", network)
         if "palm" in wanted:
             emit("palm", palm)
+        if "elastic" in wanted:
+            emit("elastic", elastic)
         if "multihost" in wanted or "node_loss" in wanted:
             emit("multihost", lambda: multihost(cluster.address))
         if "node_loss" in wanted:

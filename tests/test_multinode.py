@@ -16,7 +16,7 @@ import sys
 
 import pytest
 from conftest import assert_spmd_checks
-from multinode_scenarios import palm_fingerprint, readme_example
+from multinode_scenarios import ELASTIC_STEPS, palm_fingerprint, readme_example
 
 import pathways as pw
 
@@ -85,6 +85,22 @@ def test_palm_two_pods_on_two_nodes_match_one_node(scenarios, cluster):
     assert two_nodes["opt_state"][0] == two_nodes["opt_state"][1]
     for key in ("params", "opt_state", "losses"):
         assert two_nodes[key] == one_node[key], key  # bitwise the single-node run
+
+
+def test_a_pod_on_another_node_rejoins_over_the_network_with_the_same_bits(scenarios, cluster):
+    pods = [pw.slice((2, 2), ("data", "model"), island=i) for i in range(2)]
+    try:
+        one_node = palm_fingerprint(pods, steps=ELASTIC_STEPS)  # the ordinary two-pod step, no failure
+    finally:
+        for s in pods:
+            s.release()
+    r = scenarios["elastic"]
+    assert_spread(r["nodes"])  # the restarted island is back on its node
+    assert r["rejoined"] and r["pods"] == [[0, 1], [0], [0, 1], [0, 1]], r["pods"]
+    assert [k for k in r["events"] if k[0] in ("pod_lost", "rejoined")] == [["pod_lost", 1], ["rejoined", 1]]
+    assert r["losses"] == one_node["losses"]
+    assert r["params"] == one_node["params"] and r["opt_state"] == one_node["opt_state"]
+    assert r["net_bytes_in"] >= r["state_bytes"], r  # the new host's counter: the copy came over the network
 
 
 def test_readme_example_on_two_nodes(scenarios, cluster):

@@ -24,7 +24,7 @@ from resource_manager.host.transfer import Landed, Landing, assemble, index_of
 from resource_manager.host.transport.network import frames
 from resource_manager.host.transport.network.frames import Chunk, ProtocolError
 from resource_manager.host.transport.network.links import Links, NetworkError, connect
-from resource_manager.host.transport.network.path import NetworkConfig, landing_alloc
+from resource_manager.host.transport.network.path import NetworkConfig, NetworkPath, landing_alloc
 from resource_manager.host.transport.network.receives import Expected, Receives, expected_from_op
 from resource_manager.host.transport.network.server import DataServer, recv_bytes
 
@@ -243,6 +243,14 @@ def test_a_peer_without_the_secret_is_refused(receiver):
     assert not got.pieces and server.stats()["net_connections"] == 0
 
 
+def test_a_closed_server_takes_no_connection(receiver):
+    server, _, _, _ = receiver
+    time.sleep(0.05)  # its accept thread waits in accept()
+    server.close()
+    with pytest.raises(OSError):  # refused: nothing listens there any more (senders fall back at once)
+        socket.create_connection(("127.0.0.1", int(server.address.rsplit(":", 1)[1])), timeout=2.0).close()
+
+
 def test_a_sender_checks_the_server_is_the_host_it_meant(receiver):
     server, _, _, _ = receiver
     with pytest.raises(ProtocolError, match="is host"):
@@ -359,3 +367,26 @@ def test_a_receiver_dying_mid_transfer_fails_only_that_send():
     np.testing.assert_array_equal(got[1].wait(1)[(1, 0, ((0, 1 << 16), (0, 256)))], value)
     servers[1].close()
     links.close()
+
+
+def test_a_restarted_island_is_sent_to_at_its_new_address_at_once(receiver):
+    old, _, _, _ = receiver
+    got = Collected()
+    new_receives = Receives(got, 64 << 20, 60.0)
+    new = DataServer(RECEIVER, SECRET, "127.0.0.1", new_receives, landing_alloc(BufferPool().take), 1 << 30)
+    table = {RECEIVER: {"node": "the receiver's", "data": old.address}}
+    path = NetworkPath(SENDER, "the sender's", "127.0.0.1", SECRET, NetworkConfig(streams=1), landing_alloc(
+        BufferPool().take), Collected(), lambda: dict(table), stale_s=60.0)
+    value = np.ones((64, 64), np.float32)
+    shard = ((0, 64), (0, 64))
+    try:
+        old.close()  # the receiving island's host dies
+        assert not path.push(*RECEIVER, 1, [shard], [value]) and path.fallbacks == 1  # the object store, for now
+        table[RECEIVER] = {"node": "the receiver's", "data": new.address}  # it restarted with a new server
+        path.island_restored(RECEIVER[0])
+        new_receives.expect(2, Expected(0, {0: frozenset({shard})}, np.dtype(np.float32), value.shape))
+        assert path.push(*RECEIVER, 2, [shard], [value])  # not left to the object store for RETRY_S
+        np.testing.assert_array_equal(got.wait(1)[(2, 0, shard)], value)
+    finally:
+        path.close()
+        new.close()

@@ -200,3 +200,82 @@ def test_the_window_of_unanswered_batches_holds(window):
     for k in range(10):
         box.put(bytes([k]))
     assert len(link.batches) == window
+
+
+# -- a suspended cluster ----------------------------------------------------------------------------------
+
+def test_a_batch_answered_suspended_is_kept_and_sent_again_from_where_the_island_resumes():
+    from pathways.errors import ClusterSuspendedError
+
+    box, link, _ = outbox(window=2)
+    for k in range(3):
+        box.put(f"m{k}".encode())
+    link.answer(0)
+    link.answer(1, ClusterSuspendedError("suspended"))  # m1 was refused; m2 waits behind it
+    box.flush()
+    assert box.drain(time.monotonic() + 1)  # a paused outbox does not wait for a resume
+    box.put(b"m3")  # while suspended: held, not sent
+    assert link.payloads() == [[b"m0"], [b"m1"]]
+    box.resume(1)  # the island took m0 only
+    box.flush()
+    assert link.payloads()[2:] == [[b"m1", b"m2", b"m3"]] and link.firsts()[2:] == [1]
+
+
+def test_what_the_island_took_before_the_link_closed_is_not_sent_twice():
+    box, link, _ = outbox(window=2)
+    box.put(b"m0")
+    box.put(b"m1")
+    box.pause()  # the client stopped sending; then the islands stopped with both batches unanswered
+    link.answer(0, LinkClosed("gone"))
+    link.answer(1, LinkClosed("gone"))
+    box.put(b"m2")
+    box.resume(1)  # the saved island had taken m0
+    box.flush()
+    assert link.payloads()[2:] == [[b"m1", b"m2"]] and link.firsts()[2:] == [1]
+
+
+def test_a_lost_message_is_reported_when_the_island_resumes_past_what_was_kept(caplog):
+    box, link, _ = outbox(window=2)
+    box.put(b"m0")
+    link.answer(0)
+    box.pause()
+    with caplog.at_level(logging.ERROR, logger="client.outbox"):
+        box.resume(0)  # the island says it never took m0, which this client no longer holds
+    assert "1 message(s) are lost" in caplog.text
+
+
+def test_the_gate_lets_calls_under_way_finish_and_new_ones_wait_for_the_resume():
+    from client.suspension import Gate
+    from pathways.errors import ClusterSuspendedError
+
+    gate = Gate()
+    inside, leave, log = threading.Event(), threading.Event(), []
+
+    def call() -> None:
+        with gate.sending(5, "a call"):
+            inside.set()
+            with gate.sending(5, "its put"):  # nested in the same call: never waits
+                leave.wait(5)
+            log.append("first done")
+
+    first = threading.Thread(target=call)
+    first.start()
+    inside.wait(5)
+    closer = threading.Thread(target=lambda: log.append(("closed", gate.close("suspending", 5))))
+    closer.start()
+    time.sleep(0.1)
+    assert log == []  # close waits for the call under way
+    leave.set()
+    first.join(5)
+    closer.join(5)
+    assert log == ["first done", ("closed", True)] and not gate.open
+    with pytest.raises(ClusterSuspendedError, match="a new call: the cluster is suspending.*pathways resume"):
+        with gate.sending(0.05, "a new call"):
+            pass
+    later = threading.Thread(target=lambda: gate.wait_open(5, "waiting") or log.append("went on"))
+    later.start()
+    time.sleep(0.1)
+    assert log[-1] != "went on"
+    gate.reopen()
+    later.join(5)
+    assert log[-1] == "went on"

@@ -210,6 +210,22 @@ def test_spike_rolls_back_and_skips_batches(cluster, tmp_path):
     assert result.steps == 12 and max(result.losses) < spikes[0]["loss"]
 
 
+def test_elastic_training_is_bitwise_the_donating_run_spikes_and_rollbacks_included(cluster, tmp_path):
+    spike = SpikePolicy(factor=1.3, window=4, rollback_steps=3, skip_batches=5)
+    runs = {}
+    for name, elastic in (("donating", False), ("elastic", True)):
+        opts = _opts(tmp_path, name, steps=10, ckpt_every=2, eval_every=5, spike=spike, inject_spike_at=8,
+                     elastic=elastic)
+        runs[name] = (train(opts), logs.read(opts.log_path))
+    (plain, plain_log), (elastic, elastic_log) = runs["donating"], runs["elastic"]
+    assert elastic.rollbacks == plain.rollbacks == 1
+    assert elastic.losses == plain.losses and elastic.eval_losses == plain.eval_losses
+    assert _bitwise_equal(_ckpt_leaves(plain.final_checkpoint), _ckpt_leaves(elastic.final_checkpoint))
+    assert [e["step"] for e in elastic_log if e["event"] == "step"] == [e["step"] for e in plain_log
+                                                                        if e["event"] == "step"]
+    assert elastic.pods_lost == elastic.rejoins == 0 and not [e for e in elastic_log if e["event"] == "elastic"]
+
+
 def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     params = {"w": np.arange(6, dtype=np.float32).reshape(2, 3)}
     opt = {"m": np.zeros(3, np.float32)}

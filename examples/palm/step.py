@@ -25,6 +25,7 @@ ran it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import operator
@@ -261,10 +262,18 @@ class TrainStep:
         return [{k: pw.put(v[p * share:(p + 1) * share], s, spec) for k, v in batch.items()}
                 for p, s in enumerate(self.slices)]
 
-    def __call__(self, state: PodState, batch: dict[str, np.ndarray]) -> tuple[PodState, list, list]:
-        """One training step; returns (new state, per-pod metric vectors [METRICS], per-pod grad norms)."""
+    def __call__(self, state: PodState, batch: dict[str, np.ndarray],
+                 spike: bool = False) -> tuple[PodState, list, list]:
+        """One training step; returns (new state, per-pod metric vectors [METRICS], per-pod grad norms).
+        ``spike``: first blow up the parameters (``inject_spike``)."""
+        if spike:
+            state = self.inject_spike(state)
         params, opt_state, metrics, norms = self.program(state.params, state.opt_state, self.put_batch(batch))
         return PodState(params, opt_state), metrics, norms
+
+    def read(self, state: PodState, metrics: list, norms: list) -> tuple[np.ndarray, float]:
+        """What a step returned, fetched: metric vectors [pods x METRICS] and the gradient norm."""
+        return np.stack([m.fetch() for m in metrics]), float(norms[0].fetch())
 
     # -- the program --------------------------------------------------------------------------------
     def _backward(self, params: dict, batch: dict) -> Iterator[tuple[Any, Any]]:
@@ -319,7 +328,70 @@ class TrainStep:
 
     # -- evaluation -------------------------------------------------------------------------------
     def eval_metrics(self, state: PodState, batch: dict[str, np.ndarray]) -> pw.Array:
-        """Metric vector [METRICS] of pod 0's parameters on a batch (every pod holds the same parameters)."""
-        s = self.slices[0]
+        """Metric vector [METRICS] of the first pod's parameters on a batch (every pod holds the same ones)."""
+        s = jax.tree.leaves(state.params[0])[0].slice
         placed = {k: pw.put(v, s, P(DATA)) for k, v in batch.items()}
         return self.fns.eval_loss(state.params[0], placed)
+
+
+class ElasticTrainStep(TrainStep):
+    """PaLM's step through ``pw.elastic.DataParallel``: the same computations as ``TrainStep`` on the same
+    pods, so the same bits, but a pod may fail and come back. While one is out, the survivors compute its
+    half of the batch too (``GLOBAL_BATCH``: the loss curve stays bitwise identical) or train on their
+    own halves at a learning rate scaled by the live fraction (``POD_BATCH``).
+
+    Nothing is donated: the runner keeps the state a step starts from until the step has landed (one
+    more copy of the parameters and optimizer state on every pod). A step's state is a ``PodState`` that
+    holds the first live pod's copy once ``read`` has had the step land.
+    """
+
+    def __init__(self, config: PalmConfig, optim_config: optim.OptimConfig, slices: Sequence[pw.VirtualSlice],
+                 overlap: bool = True, policy: str = "global_batch",
+                 on_event: Any = None) -> None:
+        super().__init__(config, optim_config, slices, overlap=overlap, donate=False)
+        self.runner = pw.elastic.DataParallel(self.slices, self._grads, self._update, batch_specs=P(DATA),
+                                              policy=policy, on_event=on_event, name=f"palm_elastic_{self.pods}pod")
+
+    def put_state(self, params: Any, opt_state: Any, step: int = 0) -> PodState:
+        """The same host values on every live pod, as the state after ``step`` updates."""
+        self.runner.start((params, opt_state), (self.fns.param_specs, self.fns.opt_specs), step=step)
+        return self._landed(step)
+
+    def __call__(self, state: PodState, batch: dict[str, np.ndarray],
+                 spike: bool = False) -> tuple[PodState, Any, None]:
+        """Submit one step (the runner continues from its own latest state, which ``state`` stands for);
+        returns (its state, filled by ``read``; the pending step; None)."""
+        pending = self.runner.submit(batch, transform=self._blow_up if spike else None)
+        return PodState([], []), pending, None
+
+    def read(self, state: PodState, metrics: Any, norms: None) -> tuple[np.ndarray, float]:
+        """Have the step land (redone on the survivors if a pod failed): metric vectors [shares x METRICS], the
+        gradient norm, and ``state`` filled with the step's parameters and optimizer state."""
+        result = self.runner.result(metrics)
+        landed = self._landed(result.step)
+        state.params[:], state.opt_state[:] = landed.params, landed.opt_state
+        return np.stack(result.metrics), float(result.aux)
+
+    def _landed(self, step: int) -> PodState:
+        landed, (params, opt_state) = self.runner.state()
+        if landed != step:
+            raise RuntimeError(f"the elastic runner's latest landed step is {landed}, not {step}")
+        return PodState([params], [opt_state])
+
+    # -- what the runner traces -------------------------------------------------------------------------
+    def _grads(self, state: tuple, batch: dict) -> tuple[Any, Any]:
+        metrics, grads = self._assemble(dict(self._backward(state[0], batch)))
+        if not self.overlap:
+            grads = self.fns.exchange_buffer(grads)
+        return grads, metrics
+
+    def _update(self, state: tuple, grads: list, lr_scale: float) -> tuple[tuple, Any]:
+        fns = self.fns
+        if lr_scale != 1.0:
+            scaled = dataclasses.replace(self.optim_config, peak_lr=self.optim_config.peak_lr * lr_scale)
+            fns = functions(self.config, scaled, False)
+        params, opt_state, norm = fns.apply[len(grads)](state[0], state[1], *grads)
+        return (params, opt_state), norm
+
+    def _blow_up(self, state: tuple) -> tuple:
+        return {**state[0], "embed": self.fns.blow_up(state[0]["embed"])}, state[1]

@@ -12,7 +12,9 @@ folder that holds another run's checkpoints unless ``--overwrite`` says to
 delete them (examples/palm/runs.py). A loss spike (above ``--spike-factor`` times the running median)
 rolls back to the checkpoint about ``--rollback-steps`` earlier and skips
 ``--skip-batches`` batches, as PaLM did; ``--inject-spike-at`` blows up the
-parameters once to show it.
+parameters once to show it. ``--elastic`` runs the step through ``pw.elastic``:
+if a pod dies, the other computes its half of the batch too (the same bits),
+and the pod rejoins once its island has restarted; the log records each event.
 
 ``train()`` is the loop and takes an already-initialized session; ``main()``
 starts and stops the cluster around it.
@@ -41,7 +43,7 @@ from examples.palm.checkpoint import RunFolderError
 from examples.palm.config import CONFIGS, PalmConfig
 from examples.palm.peak import pods_peak
 from examples.palm.spikes import SpikeDetector, SpikePolicy
-from examples.palm.step import METRICS, PodState, TrainStep
+from examples.palm.step import METRICS, ElasticTrainStep, PodState, TrainStep
 
 DEVICES_PER_POD = 4
 WARMUP_STEPS = 3  # steps that include compilation; left out of the step-time median
@@ -58,6 +60,8 @@ class TrainOptions:
     seed: int = 0
     overlap: bool = True
     donate: bool = True  # each step donates the parameters and optimizer state it replaces
+    elastic: bool = False  # go on when a pod fails, and take it back when its island restarts (no donation)
+    elastic_policy: str = "global_batch"  # or "pod_batch": see pw.elastic
     optimizer: optim.OptimConfig = optim.OptimConfig()
     eval_every: int = 50
     eval_batches: int = 2
@@ -79,6 +83,10 @@ class TrainOptions:
         if self.batch < 1 or self.batch % (2 * self.pods):
             raise ValueError(f"--batch {self.batch} must be a positive multiple of {2 * self.pods} "
                              f"({self.pods} pod(s) x 2 data shards)")
+        if self.elastic and self.pods < 2:
+            raise ValueError("--elastic needs --pods 2: with one pod there is no survivor to go on with")
+        if self.elastic_policy not in ("global_batch", "pod_batch"):
+            raise ValueError(f"--elastic-policy must be global_batch or pod_batch, got {self.elastic_policy!r}")
         for name in ("steps", "eval_every", "ckpt_every", "eval_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -111,6 +119,8 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)  # accepted train losses, in order
     eval_losses: list[tuple[int, float]] = field(default_factory=list)
     rollbacks: int = 0
+    pods_lost: int = 0  # --elastic: pods that failed during the run
+    rejoins: int = 0  # --elastic: pods that came back
     wall_s: float = 0.0
     median_step_s: float | None = None
     tokens_per_s: float | None = None
@@ -147,7 +157,12 @@ class Trainer:
         self.start = start
         self.config = opts.model_config
         self.slices = [pw.slice((2, 2), ("data", "model"), island=p) for p in range(opts.pods)]
-        self.step_fn = TrainStep(self.config, opts.optimizer, self.slices, overlap=opts.overlap, donate=opts.donate)
+        if opts.elastic:
+            self.step_fn: TrainStep = ElasticTrainStep(self.config, opts.optimizer, self.slices, overlap=opts.overlap,
+                                                       policy=opts.elastic_policy, on_event=self._elastic_event)
+        else:
+            self.step_fn = TrainStep(self.config, opts.optimizer, self.slices, overlap=opts.overlap,
+                                     donate=opts.donate)
         self.result = TrainResult(steps=0)
         self.detector = SpikeDetector(opts.spike)
         self.injected = False
@@ -167,18 +182,32 @@ class Trainer:
         if self.opts.progress:
             tqdm.write(message, file=sys.stdout)
 
+    def _elastic_event(self, event: Any) -> None:
+        """--elastic: a pod failed, the survivors resumed, or a pod came back; log it and say it."""
+        self.result.pods_lost += event.kind == "pod_lost"
+        self.result.rejoins += event.kind == "rejoined"
+        self.log.write("elastic", kind=event.kind, pod=event.pod, step=event.step, pods=list(event.pods),
+                       detail=event.detail)
+        self._say(f"step {event.step}: {event.detail}")
+
+    def _place(self, params: Any, opt_state: Any, step: int) -> PodState:
+        """Host values on every pod as the state after ``step`` updates (the elastic runner counts from it)."""
+        if isinstance(self.step_fn, ElasticTrainStep):
+            return self.step_fn.put_state(params, opt_state, step)
+        return self.step_fn.put_state(params, opt_state)
+
     # -- state on and off the pods ----------------------------------------------------------------
     def start_state(self) -> tuple[PodState, int, int, bool]:
         """(state, step, data position, resumed) from the checkpoint this run resumes, or fresh."""
         path = self.start.resume_from
         if path is None:
             params, opt_state = self._templates
-            state = self.step_fn.put_state(params, opt_state)
+            state = self._place(params, opt_state, 0)
             self.save(state, 0, 0)
             return state, 0, 0, False
         ckpt = checkpoint.load(path, *self._templates)
         self.detector = SpikeDetector(self.opts.spike, ckpt.extra.get("spike_history", []))
-        return self.step_fn.put_state(ckpt.params, ckpt.opt_state), ckpt.step, ckpt.data_pos, True
+        return self._place(ckpt.params, ckpt.opt_state, ckpt.step), ckpt.step, ckpt.data_pos, True
 
     def save(self, state: PodState, step: int, data_pos: int) -> str:
         """Checkpoint pod 0's copy (every pod holds the same bits) and drop ones too old to roll back to."""
@@ -205,7 +234,7 @@ class Trainer:
         data_pos = ckpt.data_pos + policy.skip_batches
         self.log.write("rollback", from_step=spike_step, to_step=ckpt.step, checkpoint=path,
                        skipped_batches=policy.skip_batches, data_pos=data_pos, removed=removed)
-        return self.step_fn.put_state(ckpt.params, ckpt.opt_state), ckpt.step, data_pos
+        return self._place(ckpt.params, ckpt.opt_state, ckpt.step), ckpt.step, data_pos
 
     # -- evaluation -----------------------------------------------------------------------------
     def evaluate(self, state: PodState, step: int) -> float:
@@ -274,10 +303,11 @@ class Trainer:
             current = None
             if step < opts.steps:
                 batch = data.batch(data_pos, opts.seed, opts.batch, self.config.seq_len)
-                if opts.inject_spike_at == step + 1 and not self.injected:
-                    state, self.injected = self.step_fn.inject_spike(state), True
+                spike = opts.inject_spike_at == step + 1 and not self.injected
+                if spike:
+                    self.injected = True
                     self.log.write("inject_spike", step=step + 1, data_pos=data_pos)
-                new_state, metrics, norms = self.step_fn(state, batch)
+                new_state, metrics, norms = self.step_fn(state, batch, spike=spike)
                 current = _InFlight(step + 1, data_pos, new_state, metrics, norms)
                 state, step, data_pos = new_state, step + 1, data_pos + 1
             restored = self._finish(pending, bar) if pending is not None else None
@@ -293,9 +323,8 @@ class Trainer:
     def _finish(self, run: _InFlight, bar: tqdm) -> tuple[PodState, int, int] | None:
         """Read a landed step's metrics; log, checkpoint, evaluate. On a spike: the rolled-back state."""
         opts = self.opts
-        per_pod = np.stack([m.fetch() for m in run.metrics])
+        per_pod, grad_norm = self.step_fn.read(run.state, run.metrics, run.norms)
         record = dict(zip(METRICS, map(float, per_pod.mean(axis=0))))
-        grad_norm = float(run.norms[0].fetch())
         now = time.perf_counter()
         interval, self._last_landed = now - self._last_landed, now
         if self.detector.is_spike(record["loss"]):
@@ -335,7 +364,8 @@ class Trainer:
                 result.hfu = flops.hfu(result.tokens_per_s, config, result.peak_flops, recompute=True)
         self.log.write("end", steps=result.steps, wall_s=round(wall_s, 2), median_step_s=result.median_step_s,
                        tokens_per_s=result.tokens_per_s, mfu=result.mfu, hfu=result.hfu,
-                       rollbacks=result.rollbacks, final_loss=result.losses[-1] if result.losses else None,
+                       rollbacks=result.rollbacks, pods_lost=result.pods_lost, rejoins=result.rejoins,
+                       final_loss=result.losses[-1] if result.losses else None,
                        eval_loss=result.eval_losses[-1][1] if result.eval_losses else None)
 
 
@@ -392,6 +422,12 @@ def parser() -> argparse.ArgumentParser:
                    help="exchange gradients after the whole backward (as PaLM did) instead of group by group")
     p.add_argument("--no-donate", action="store_true",
                    help="keep each step's input parameters and optimizer state (two copies on every pod)")
+    p.add_argument("--elastic", action="store_true",
+                   help="go on when a pod fails (the survivor computes its half of the batch too) and take it back "
+                        "when its island restarts; never donates")
+    p.add_argument("--elastic-policy", default=d.elastic_policy, choices=("global_batch", "pod_batch"),
+                   help="while a pod is out: keep the global batch (bitwise the same run) or keep the per-pod "
+                        "batch and scale the learning rate by the live fraction")
     p.add_argument("--lr", type=float, default=d.optimizer.peak_lr, help="peak learning rate")
     p.add_argument("--const-steps", type=int, default=d.optimizer.const_steps,
                    help="steps at the peak learning rate before the 1/sqrt(step) decay")
@@ -429,7 +465,7 @@ def parse_args(argv: list[str] | None = None) -> TrainOptions:
     try:
         return TrainOptions(
             config=a.config, pods=a.pods, steps=a.steps, batch=a.batch, seed=a.seed, overlap=not a.no_overlap,
-            donate=not a.no_donate,
+            donate=not a.no_donate, elastic=a.elastic, elastic_policy=a.elastic_policy,
             optimizer=dataclasses.replace(d.optimizer, peak_lr=a.lr, const_steps=a.const_steps),
             eval_every=a.eval_every, eval_batches=a.eval_batches,
             out=a.out or os.path.join("runs", f"palm_{a.config}_{a.pods}pod"), ckpt_every=a.ckpt_every,
@@ -455,6 +491,8 @@ def report(opts: TrainOptions, result: TrainResult) -> str:
     if result.median_step_s:
         mfu = f", MFU {result.mfu:.1%}, HFU {result.hfu:.1%}" if result.mfu is not None else ""
         lines.append(f"median step {result.median_step_s * 1e3:.0f} ms, {result.tokens_per_s:,.0f} tokens/s{mfu}")
+    if opts.elastic:
+        lines.append(f"elastic ({opts.elastic_policy}): {result.pods_lost} pod(s) lost, {result.rejoins} rejoined")
     lines.append(f"{result.steps} steps, {result.rollbacks} rollback(s), {result.wall_s:.1f} s in train(); "
                  f"log {opts.log_path}; checkpoint {result.final_checkpoint}")
     return "\n".join(lines)

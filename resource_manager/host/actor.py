@@ -97,10 +97,10 @@ class HostActor:
         self._check(mac, "tenant_schedule")
         return self._host.schedule_stats(None)
 
-    def quiesce(self, mac: bytes, on: bool) -> None:
-        """The cluster is being suspended (``on``): host 0 takes no more client batches; or it goes on."""
-        self._check(mac, "quiesce", bool(on))
-        self._host.quiescing = bool(on)
+    def quiesce(self, mac: bytes, on: int) -> None:
+        """The cluster is being suspended (``on`` 1): host 0 takes no more client batches; or it goes on (0)."""
+        self._check(mac, "quiesce", on)
+        self._host.quiescing = on == 1
 
     def quiet(self, mac: bytes) -> dict:
         """Whether this host has finished what it was given (``Host.quiet``)."""

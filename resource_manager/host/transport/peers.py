@@ -76,6 +76,9 @@ class Peers:
                     replaced.add(info.island)
                 self._hosts[(info.island, info.host)] = info
             self._by_pid = {i.pid: i for i in self._hosts.values() if i.node == self.node}
+        if self.network is not None:
+            for island in replaced:
+                self.network.island_restored(island)
         return replaced
 
     def directory(self) -> dict[tuple[int, int], dict]:

@@ -174,6 +174,14 @@ class NetworkPath:
         self.receives.finished(key)
         self.server.drop(key=key)
 
+    def island_restored(self, island: int) -> None:
+        """``island`` has new hosts (new data addresses in the table of hosts): forget its old addresses, and
+        that they could not be reached, so that the next send asks the table again."""
+        with self._lock:
+            self._hosts = {peer: info for peer, info in self._hosts.items() if peer[0] != island}
+            self._down = {peer: until for peer, until in self._down.items() if peer[0] != island}
+            self._fetched = -math.inf
+
     def drop_island(self, island: int) -> None:
         """An island failed: release everything its hosts were sending here, and forget its connections."""
         self.receives.drop_island(island)

@@ -287,6 +287,10 @@ class DataServer:
         with self._lock:
             self._closed = True
             conns = list(self._conns)
+        try:  # close() alone leaves the port listening while the accept thread waits in accept()
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self._listener.close()
         for conn in conns:
             try:

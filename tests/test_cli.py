@@ -360,43 +360,41 @@ def leave_in_time_wait(port: int) -> None:
     assert lingers(port)
 
 
-def test_up_right_after_down_succeeds_at_once_and_an_interrupted_up_is_cleaned_up(tmp_path, workdir):
-    """On heads of its own, so that no other test loses its cluster: an `up` killed while it starts (Ctrl-C cleans
-    up itself; a kill leaves it to `down`), then `up` at once on the same ports, twice: after that `down`, and
-    after a `down` with a connection of the Ray port in TIME-WAIT (which a busy check took for in use)."""
-    run = Cli(tmp_path / "home", workdir, tmp_path / "tmp")
-    try:
-        for sig in (signal.SIGINT, signal.SIGKILL):  # Ctrl-C cleans up itself; a kill leaves it to `down`
-            proc = subprocess.Popen([*run.command, "up", "--port", str(run.port), "--client-port",
-                                     str(run.client_port), *run.topology], cwd=workdir, env=run.env,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            deadline = time.monotonic() + 60
-            while not (run.state() and run.state()["head_pid"]) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            state = run.state()
-            time.sleep(2.0)  # the head is starting
-            proc.send_signal(sig)
-            proc.communicate(timeout=60)
-            if sig == signal.SIGKILL:
-                assert run.state()["phase"] == "starting" and head_processes(state)
-                assert "interrupted `pathways up`" in run("down", timeout=60).stdout
-            assert run.state() is None and not head_processes(state) and not Path(state["temp_dir"]).exists()
-        took = []
-        for cycle in range(2):  # the machine is usable again at once; then up right after a full down
-            if cycle:
-                leave_in_time_wait(run.port)
-            t0 = time.monotonic()
-            run.up()
-            state = run.state()
-            out = run("down", timeout=90).stdout
-            took.append(time.monotonic() - t0)
-            assert "stopped the Ray head" in out and "the tenant registry stays in" in out, out
-            assert not head_processes(state) and run.state() is None and not Path(state["temp_dir"]).exists()
-            with pytest.raises(ConnectionRefusedError):  # nothing listens on the runtime's port any more
-                socket.create_connection(("127.0.0.1", run.client_port), timeout=5).close()
-        print(f"up+down cycles: {[round(t, 1) for t in took]} s")
-    finally:
-        stop_head_of(run)
+def test_down_then_an_interrupted_up_is_cleaned_up_and_up_right_after_down_succeeds_at_once(tenants):
+    """The module's cluster, after the tests above ran tenants' jobs on it: `down` stops all of it; an `up` killed
+    while it starts is cleaned up (Ctrl-C by itself, a kill by the next `down`); then `up` at once on the same
+    ports, with a connection of the Ray port in TIME-WAIT (which a busy check took for in use), brings it back
+    with its tenants, as the module's other tests expect it."""
+    run = tenants
+    state = run.state()
+    out = run("down", timeout=90).stdout
+    assert "stopped the runtime's jobs" in out and "stopped the Ray head" in out, out
+    assert "the tenant registry stays in" in out, out
+    assert not head_processes(state) and run.state() is None and not Path(state["temp_dir"]).exists()
+    with pytest.raises(ConnectionRefusedError):  # nothing listens on the runtime's port any more
+        socket.create_connection(("127.0.0.1", run.client_port), timeout=5).close()
+    for sig in (signal.SIGINT, signal.SIGKILL):  # Ctrl-C cleans up itself; a kill leaves it to `down`
+        proc = subprocess.Popen([*run.command, "up", "--port", str(run.port), "--client-port",
+                                 str(run.client_port), *run.topology], cwd=run.workdir, env=run.env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 60
+        while not (run.state() and run.state()["head_pid"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        state = run.state()
+        time.sleep(2.0)  # the head is starting
+        proc.send_signal(sig)
+        proc.communicate(timeout=60)
+        if sig == signal.SIGKILL:
+            assert run.state()["phase"] == "starting" and head_processes(state)
+            assert "interrupted `pathways up`" in run("down", timeout=60).stdout
+        assert run.state() is None and not head_processes(state) and not Path(state["temp_dir"]).exists()
+    leave_in_time_wait(run.port)
+    t0 = time.monotonic()
+    run.up(*(["--job-user", run.job_user] if run.job_user else []))
+    print(f"up right after down: {time.monotonic() - t0:.1f} s")
+    assert run.state()["phase"] == "up" and head_processes(run.state())
+    tenants = [t["name"] for t in json.loads(run("tenants", "list", "--json").stdout)]
+    assert "alice" in tenants and "bob" in tenants, tenants  # the registry outlived the cluster
 
 
 def readme_block(heading: str, index: int) -> list[str]:

@@ -125,6 +125,14 @@ def host_stats(session, island: int, host: int = 0) -> dict:
     return session.host_stats(island, host)
 
 
+def compile_cache_env(folder) -> dict[str, str]:
+    """The environment that gives a scenario's processes (its client, and the hosts of the cluster it starts, which
+    inherit it) JAX's persistent compilation cache in ``folder``: an island restarted after its host was killed
+    compiles the executables its first hosts compiled, and reads them from there instead (what the restart proves
+    is unchanged; a wrong executable would fail the bitwise comparisons)."""
+    return {"JAX_COMPILATION_CACHE_DIR": str(folder), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+
+
 def await_line(proc, word: str, timeout: float) -> None:
     """Wait, at most ``timeout`` seconds, for a client process to print ``word`` on a line of its own (it is ready:
     started, attached, compiled); kill it and fail with what it printed otherwise."""

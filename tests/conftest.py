@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 import time
 
 # The client needs no devices, but the pure-JAX model tests shard over 4: give this process 4 CPU devices
@@ -122,6 +123,35 @@ def assert_spmd_checks(checks: dict) -> None:
 
 def host_stats(session, island: int, host: int = 0) -> dict:
     return session.host_stats(island, host)
+
+
+def compile_cache_env(folder) -> dict[str, str]:
+    """The environment that gives a scenario's processes (its client, and the hosts of the cluster it starts, which
+    inherit it) JAX's persistent compilation cache in ``folder``: an island restarted after its host was killed
+    compiles the executables its first hosts compiled, and reads them from there instead (what the restart proves
+    is unchanged; a wrong executable would fail the bitwise comparisons)."""
+    return {"JAX_COMPILATION_CACHE_DIR": str(folder), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+
+
+def await_line(proc, word: str, timeout: float) -> None:
+    """Wait, at most ``timeout`` seconds, for a client process to print ``word`` on a line of its own (it is ready:
+    started, attached, compiled); kill it and fail with what it printed otherwise."""
+    seen: list[str] = []
+
+    def read() -> None:
+        for line in proc.stdout:
+            seen.append(line)
+            if line.strip() == word:
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout)
+    if not seen or seen[-1].strip() != word:
+        proc.kill()
+        reader.join(10)
+        pytest.fail(f"the client did not say {word} within {timeout:.0f}s:\n{''.join(seen)[-1000:]}\n"
+                    f"{proc.stderr.read()[-3000:]}")
 
 
 def tenant_env(tenant: str, weight: float = 1.0, quota: int | None = None) -> dict:

@@ -128,11 +128,12 @@ def traced(path: str) -> dict:
     return {"orders": [order.get(0, []), order.get(1, [])]}
 
 
-def exchange(direction: str, n: int, start_at: float, timeout: float) -> dict:
-    """``n`` programs, one every 50 ms from ``start_at`` (the other client starts at the same instant), each
-    moving a value from one island to the other and back with a cross-host collective on each side. Each
-    client sends a program's messages to the island it starts from first, so the two clients' messages reach
-    each island in opposite orders: the islands' orders disagree."""
+def exchange(direction: str, n: int, timeout: float) -> dict:
+    """``n`` programs, one every 50 ms from the instant the test sends on standard input once both clients said
+    READY (the other client starts at the same instant), each moving a value from one island to the other and
+    back with a cross-host collective on each side. Each client sends a program's messages to the island it
+    starts from first, so the two clients' messages reach each island in opposite orders: the islands' orders
+    disagree."""
     pw.init(timeouts=pw.Timeouts(fetch=timeout, op=timeout))
     src, dst = (0, 1) if direction == "forward" else (1, 0)
     a, b = pw.slice((4,), ("x",), island=src), pw.slice((4,), ("x",), island=dst)
@@ -141,6 +142,8 @@ def exchange(direction: str, n: int, start_at: float, timeout: float) -> dict:
     step = pw.program(lambda v: g(f(v)))  # v lives on the other island: a transfer each way
     x0 = np.arange(16, dtype=np.float32) / 16
     step(pw.put(x0, b, P("x"))).block_until_ready()  # compiled everywhere before the race starts
+    print("READY", flush=True)
+    start_at = float(sys.stdin.readline())
     outs = []
     for k in range(n):
         time.sleep(max(0.0, start_at + 0.05 * k - time.time()))
@@ -163,7 +166,7 @@ if __name__ == "__main__":
     elif mode == "long":
         result = long(int(sys.argv[2]), sys.argv[3])
     elif mode == "exchange":
-        result = exchange(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), float(sys.argv[5]))
+        result = exchange(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]))
     else:
         result = gang(int(sys.argv[2]))
     print(json.dumps(result), flush=True)

@@ -58,13 +58,17 @@ def attack(victim_id: int, victim_slice: dict) -> None:
     pw.shutdown()
 
 
-def load(start_at: float, seconds: float) -> None:
+def load(seconds: float) -> None:
+    """Keep island 0 backlogged for ``seconds`` from the instant (a ``time.time()``) the test sends on standard
+    input once every client said READY (compiled)."""
     session = pw.init()
     s = pw.slice((2,), ("x",), island=0)
     f = pw.jit(lambda m: jax.lax.fori_loop(0, 8, lambda i, a: jnp.tanh(a @ m), m), slice=s,
                in_specs=(P("x"),), out_specs=P("x"))  # ~10 ms of island time: the island is the bottleneck
     m = pw.put(np.eye(384, dtype=np.float32), s, P("x"))
     f(m).block_until_ready()
+    print("READY", flush=True)
+    start_at = float(sys.stdin.readline())
     time.sleep(max(0.0, start_at - time.time()))
     previous, calls = None, 0
     while time.time() < start_at + seconds:  # 32 to 64 programs in flight: always backlogged
@@ -84,4 +88,4 @@ if __name__ == "__main__":
     elif mode == "attack":
         attack(int(sys.argv[2]), json.loads(sys.argv[3]))
     else:
-        load(float(sys.argv[2]), float(sys.argv[3]))
+        load(float(sys.argv[2]))

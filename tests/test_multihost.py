@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import assert_spmd_checks
+from conftest import assert_spmd_checks, await_line
 
 pytestmark = pytest.mark.cluster  # starts its own cluster
 
@@ -40,7 +40,7 @@ def client(cluster: dict, tenant: str, *args: str) -> subprocess.Popen:
     env = dict(os.environ, PATHWAYS_ADDRESS=cluster["address"], PATHWAYS_TENANT=tenant,
                PATHWAYS_CREDENTIAL=cluster["credentials"][tenant])
     return subprocess.Popen([sys.executable, os.path.join(HERE, "multihost_client.py"), *args], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def result(proc: subprocess.Popen, timeout: float = 300) -> dict:
@@ -86,9 +86,13 @@ def test_two_clients_exchanging_data_in_opposite_directions_never_deadlock(multi
     """Each client's programs move data island 0 -> 1 -> 0 (or 1 -> 0 -> 1) with cross-host collectives on both
     sides, many at once: each island's order puts one client's receive before the other's send, and only
     receives that park off the order keep the two islands from waiting on each other for ever."""
-    start_at = str(time.time() + 25)  # both clients ready by then, and racing from then on
-    procs = [client(multihost, direction, "exchange", direction, "30", start_at, "300")
-             for direction in ("forward", "backward")]
+    procs = [client(multihost, direction, "exchange", direction, "30", "300") for direction in ("forward", "backward")]
+    for p in procs:  # both compiled everywhere: they race from the same instant on
+        await_line(p, "READY", timeout=300)
+    start_at = f"{time.time() + 0.2}\n"
+    for p in procs:
+        p.stdin.write(start_at)
+        p.stdin.flush()
     for r in [result(p, timeout=400) for p in procs]:
         assert r["programs"] == 30 and len(r["got"]) == 30
         np.testing.assert_allclose(r["got"], r["want"], rtol=1e-4, atol=1e-5, err_msg=r["direction"])

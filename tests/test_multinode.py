@@ -15,7 +15,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import assert_spmd_checks
+from conftest import assert_spmd_checks, compile_cache_env
 from multinode_scenarios import ELASTIC_STEPS, palm_fingerprint, readme_example
 
 import pathways as pw
@@ -29,9 +29,10 @@ ROOT = os.path.dirname(HERE)
 class Scenarios:
     """The scenario script, started at once and read when a test first needs its results."""
 
-    def __init__(self) -> None:
+    def __init__(self, cache: str) -> None:
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # RAY_TMPDIR stays: its cluster goes there
         env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)  # it imports examples
+        env.update(compile_cache_env(cache))  # the restarted island's warm-up compiles what its first host did
         self.proc = subprocess.Popen([sys.executable, os.path.join(HERE, "multinode_scenarios.py")], env=env,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self._results: dict | None = None
@@ -58,8 +59,8 @@ class Scenarios:
 
 
 @pytest.fixture(scope="module")
-def scenarios():
-    runs = Scenarios()
+def scenarios(tmp_path_factory):
+    runs = Scenarios(str(tmp_path_factory.mktemp("compile-cache")))
     yield runs
     runs.stop()
 

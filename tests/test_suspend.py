@@ -162,6 +162,7 @@ def _cluster_state(run: Cli) -> dict:
     return json.loads(run("status", "--json").stdout)["cluster"]
 
 
+@pytest.mark.cluster  # starts its own clusters (`pathways up`)
 def test_sigterm_suspends_and_a_new_cluster_resumes_where_the_attached_client_goes_on(tmp_path):
     """The preemption path: SIGTERM to the runtime of `pathways up --suspend-dir`, `pathways down`, a new
     `pathways up` on the same address, `pathways resume`: a client attached all along goes on."""

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import host_stats, on_island, tenant_env
+from conftest import await_line, host_stats, on_island, tenant_env
 
 import pathways as pw
 
@@ -21,7 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def spawn(env: dict, *args: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, os.path.join(HERE, "tenant_client.py"), *args], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def result(proc: subprocess.Popen, timeout: float = 180) -> dict:
@@ -86,12 +86,18 @@ def island_times(admin: pw.Admin, island: int = 0) -> dict[str, float]:
 
 def test_weighted_fair_share_of_island_time(cluster):
     admin = pw.admin()
-    start_at, seconds = time.time() + 20, 12.0
-    procs = [spawn(tenant_env("light", weight=1.0), "load", str(start_at), str(seconds)),
-             spawn(tenant_env("heavy", weight=3.0), "load", str(start_at), str(seconds))]
-    time.sleep(max(0.0, start_at - time.time()) + 3.0)  # measure the middle, while both are backlogged
+    ramp, window = 2.0, 4.0  # measure the middle, while both are backlogged
+    procs = [spawn(tenant_env("light", weight=1.0), "load", str(ramp + window + 1.0)),
+             spawn(tenant_env("heavy", weight=3.0), "load", str(ramp + window + 1.0))]
+    for p in procs:  # both compiled: they start loading the island at the same instant
+        await_line(p, "READY", timeout=120)
+    start_at = time.time() + 0.2
+    for p in procs:
+        p.stdin.write(f"{start_at}\n")
+        p.stdin.flush()
+    time.sleep(max(0.0, start_at - time.time()) + ramp)
     before = island_times(admin)
-    time.sleep(6.0)
+    time.sleep(window)
     after = island_times(admin)
     for p in procs:
         result(p)

@@ -74,6 +74,7 @@ class Session:
         self.admin_credential = admin_credential
         self.embedded = embedded
         self.closed = False
+        self.gate = Gate()  # before the first link: its reader may report the link broken at once
         rm = Link(address, 0, None, expect_role(None, "rm"), "the resource manager", self._rm_broken,
                   timeout=timeouts.start if embedded else 5.0)
         self.runtime = rm.identity.runtime
@@ -102,7 +103,6 @@ class Session:
         self.outboxes = Outboxes(self, len(self.islands))
         self.frees = FreeBatcher(self)
         self.events = EventLog()
-        self.gate = Gate()
         self._stop = threading.Event()
         self._renewed = time.monotonic()
         self._renewer = threading.Thread(target=self._renew_loop, name="pathways-renew", daemon=True)

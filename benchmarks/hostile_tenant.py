@@ -11,7 +11,10 @@ is measured first. The last line:
 
     hostile tenant: A abuses, victim served S/N, worst victim latency L ms (alone M ms), lost 0
 
-The goal: S = N, nothing lost, and L within 3x of M plus the victim's fair share of one abuse's op.
+The goal: S = N, nothing lost, and L within 3x of M plus the victim's fair share of one abuse's op: a running
+computation cannot be stopped, so a victim that arrives just after one started waits for it; the line before
+the last compares L with 3 M plus the longest computation an abuse ran, as the hosts measured it. The hostile
+tenant's op_ms budget (100 ms) refuses a program once one of its computations ran longer.
 
     python -m benchmarks.hostile_tenant [--quick] [--out PATH]
 """
@@ -24,6 +27,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -34,7 +38,7 @@ import numpy as np
 from benchmarks.common import Table, default_out, median, write_json
 
 PERIOD_S = 0.1
-HOSTILE_BUDGETS = {"host_bytes": 256 << 20, "parked_bytes": 256 << 20}
+HOSTILE_BUDGETS = {"host_bytes": 256 << 20, "parked_bytes": 256 << 20, "op_ms": 100}
 LONG_OP_S = 0.2  # one of the hostile tenant's long computations
 
 
@@ -134,12 +138,22 @@ def abuse(name: str, victim_client: int) -> dict:
         iters = int(LONG_OP_S * 1.4e11 / (2 * 256**3))
         long = pw.jit(lambda m: jax.lax.fori_loop(0, iters, lambda i, a: jnp.tanh(a @ m) * 0.5, m), slice=s)
         x, m = pw.put(np.ones(2, np.float32), s), pw.put(np.eye(256, dtype=np.float32), s)
-        for _ in range(3):
-            ys = [cheap(x) for _ in range(64)]  # teach the scheduler that this tenant's work is cheap
-            ys[-1].block_until_ready()
-            burst = [long(m) for _ in range(20)]  # then 20 long ones at once
-            burst[-1].block_until_ready(timeout=120)
-        out["outcome"] = "ran (its island time charged to it)"
+        ran, refusals = 0, []
+        trace = Path(tempfile.mkdtemp()) / "trace.json"
+        with pw.trace(trace):  # its own spans, as the hosts measured them: how long each computation ran
+            for _ in range(3):
+                ys = [cheap(x) for _ in range(64)]  # teach the scheduler that this tenant's work is cheap
+                ys[-1].block_until_ready()
+                for y in [long(m) for _ in range(20)]:  # then 20 long ones at once
+                    try:
+                        y.block_until_ready(timeout=120)
+                        ran += 1
+                    except pw.ResourceError as exc:
+                        refusals.append(str(exc))
+        spans = json.loads(trace.read_text())["traceEvents"]
+        out["longest_op_ms"] = max(e["dur"] / 1e3 for e in spans if e.get("cat") == "exec")
+        out["outcome"] = (f"{ran} long computations ran, the longest {out['longest_op_ms']:.0f} ms, charged to it; "
+                          f"{len(refusals)} refused: {refusals[0][:60] if refusals else '-'}")
     elif name == "a gigabyte of host memory":
         out["outcome"] = _refused(lambda: pw.put(np.ones(1 << 28, np.float32), s).block_until_ready(timeout=60))
     elif name == "sessions and connections by the dozen":
@@ -315,9 +329,14 @@ def main() -> None:
                   f"{median(lat) * 1e3:.0f} / {max(lat, default=0) * 1e3:.0f}" if lat else "-", r["outcome"][:70])
     print(table.render())
     pw.shutdown()
-    write_json(Path(args.out), {"alone_ms": alone, "worst_ms": worst, "served": served, "total": total,
-                                "lost": lost, "results": results,
+    longest = max(r.get("longest_op_ms", 0.0) for r in results)
+    goal = 3 * alone + longest
+    write_json(Path(args.out), {"alone_ms": alone, "worst_ms": worst, "goal_ms": goal, "served": served,
+                                "total": total, "lost": lost, "results": results,
                                 "latency_ms": {k: [x * 1e3 for x in v] for k, v in victim.latency.items()}})
+    print(f"goal: worst victim latency <= 3 x alone + the longest computation an abuse ran, compiling included "
+          f"({longest:.0f} ms: it cannot be stopped once it runs) = {goal:.0f} ms: "
+          f"{'met' if worst <= goal else 'NOT met'}")
     print(f"hostile tenant: {len(results)} abuses, victim served {served}/{total}, worst victim latency "
           f"{worst:.0f} ms (alone {alone:.0f} ms), lost {lost}")
 

@@ -33,6 +33,9 @@ class Budgets:
     executable_bytes: bytes of serialized executables the tenant keeps on one host.
     connections: the tenant's open connections to one endpoint of the runtime.
     jobs: the tenant's jobs running at once (``pathways submit``).
+    op_ms: milliseconds one computation of the tenant may run on an island. A running computation cannot be
+        stopped, so this caps what follows: a program one of whose computations ran longer is refused from then on
+        (until the admin raises the budget), and no tenant holds an island in long unbreakable pieces.
     """
 
     host_bytes: int = 8 * GiB
@@ -45,6 +48,7 @@ class Budgets:
     executable_bytes: int = 512 * MiB
     connections: int = 64
     jobs: int = 8
+    op_ms: int = 60_000
 
     def to_wire(self) -> dict[str, int]:
         """Every budget by name (what the registry stores and the hosts are told)."""

@@ -19,7 +19,8 @@ from client.session import Session
 from pathways.budgets import Budgets
 from pathways.requests import Fetch
 
-SMALL = {"pending_fetches": 8, "host_bytes": 1 << 20, "sessions": 2, "parked_bytes": 4 << 20, "connections": 4}
+SMALL = {"pending_fetches": 8, "host_bytes": 1 << 20, "sessions": 2, "parked_bytes": 4 << 20, "connections": 4,
+         "op_ms": 300}
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +118,35 @@ def test_a_computation_whose_outputs_go_over_host_bytes_never_runs(cluster, gree
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert "REFUSED over your host_bytes budget" in out.stdout and "STILL 65536.0" in out.stdout, \
         out.stdout + out.stderr[-2000:]
+    served(victim)
+
+
+def test_a_program_whose_computation_ran_over_op_ms_runs_no_more(cluster, greedy, victim):
+    """A computation cannot be stopped once it runs; one that ran past the tenant's op_ms budget (300 ms here)
+    keeps its result, and its program is refused from then on, naming the budget, while the tenant's other
+    programs and everyone else's run."""
+    _, credential = greedy
+    script = textwrap.dedent("""
+        import numpy as np, jax, jax.numpy as jnp, pathways as pw
+        pw.init()
+        s = pw.slice((1,), ("x",), island=0)
+        m = pw.put(np.eye(256, dtype=np.float32), s)
+        long = pw.jit(lambda a: jax.lax.fori_loop(0, 4000, lambda i, b: jnp.tanh(b @ a) * 0.5, a), slice=s)
+        first = long(m)
+        first.block_until_ready(timeout=120)
+        print("FIRST RAN")
+        try:
+            long(m).fetch(timeout=60)
+            print("RAN AGAIN")
+        except pw.ResourceError as exc:
+            print("REFUSED", exc)
+        print("STILL", float(pw.jit(lambda v: v.sum(), slice=s)(m).fetch(timeout=30)))
+    """)
+    env = {**os.environ, "PATHWAYS_ADDRESS": cluster.address, "PATHWAYS_TENANT": "greedy",
+           "PATHWAYS_CREDENTIAL": credential}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=180)
+    assert "FIRST RAN" in out.stdout and "REFUSED over your op_ms budget" in out.stdout and \
+        "STILL 256.0" in out.stdout, out.stdout + out.stderr[-2000:]
     served(victim)
 
 

@@ -254,3 +254,37 @@ def test_a_call_or_part_that_cannot_run_here_is_still_reported_done(host):
     while len([d for r in host.reports for d in r.done]) < 3 and time.monotonic() < deadline:
         time.sleep(0.02)
     assert sorted(d[0] for r in host.reports for d in r.done) == [0, 1, 2]
+
+
+def test_the_report_says_how_long_the_longest_computation_ran_compiling_aside(host):
+    """What the scheduler holds against a tenant's op_ms budget: one computation's run, its compile not counted."""
+    inc = host.function(lambda v: v + 1.0, 1)
+    host.value(100, np.zeros(4, np.float32))
+    base = 1 << CLIENT_ID_BITS
+    host.run(one(inc, "inc"), base, (100,))
+    np.testing.assert_array_equal(host.fetch(base + 1), np.ones(4, np.float32))
+    deadline = time.monotonic() + 10
+    while not [d for r in host.reports for d in r.done] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    [(_, busy, compile_s, longest)] = [d for r in host.reports for d in r.done]
+    assert compile_s > 0 and 0 < longest <= busy - compile_s + 1e-6
+
+
+def test_a_refused_call_still_frees_the_arrays_its_client_dropped(host):
+    """A call carries the ids of arrays its client dropped since its last message; refused (over a budget, or by
+    admission), it runs nothing, but those arrays go all the same, on host 0 and on the hosts that get host 0's
+    rows, and never another client's."""
+    inbox = host.parts.inbox
+    mine, also_mine, other = (1 << CLIENT_ID_BITS) + 50, (1 << CLIENT_ID_BITS) + 51, 52  # 52: client 0's
+    for buffer_id in (mine, also_mine, other):
+        host.value(buffer_id, np.zeros(4, np.float32))
+    refusal = Failure("ResourceError", "over your op_ms budget")
+    base = 1 << CLIENT_ID_BITS
+    first = Call(b"", base, (), {}, (mine, other))
+    inbox.accept([(0, Admitted(1, TENANT, first.encode(), first, None, refusal, base, base + 2))])
+    second = Call(b"", base + 2, (), {}, (also_mine,))
+    inbox.accept_rows([(1, "msg", Admitted(1, TENANT, second.encode(), second, None, refusal, base + 2,
+                                           base + 4).row())])
+    assert mine not in host.table and also_mine not in host.table and other in host.table
+    with pytest.raises(pw.ResourceError, match="op_ms"):
+        host.fetch(base + 3)

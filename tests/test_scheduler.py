@@ -421,3 +421,34 @@ def test_the_admin_sees_how_long_a_tenant_had_nothing_queued_or_in_flight():
     scheduler.completed([[released[0][0], 1e-3]])
     time.sleep(0.02)
     assert scheduler.stats()["tenants"]["a"]["idle_s"] >= idle + 0.02
+
+
+def test_a_program_whose_computation_ran_over_op_ms_is_refused_from_then_on():
+    """A running computation cannot be stopped: once one ran past its tenant's op_ms budget, its program's later
+    calls (those already queued too) are released as refusals naming the budget; the tenant's other programs and
+    other tenants' calls run as before, and raising the budget lets the program run again."""
+    caps = {"a": 100, "b": 100}
+    scheduler = Scheduler(0, 1, window=64, eager=100, op_cap_ms=caps.__getitem__)
+    long, short = template("long"), template("short")
+    first = scheduler.queue([admitted(1, "a", k, long) for k in range(3)])
+    assert seqs(first) == [0]  # never measured: one in flight
+    late = scheduler.completed([[0, 0.35, 0.05, 0.3]])  # compiled 50 ms, then computed 300 ms in one computation
+    later = scheduler.queue([admitted(1, "a", 3, short), admitted(2, "b", 0, long)])
+    refusals = [item for _, item in late + later if item.refusal is not None]
+    assert [item.request.base & 0xFFFF for item in refusals] == [1, 2]  # a's two queued calls of "long"
+    for item in refusals:
+        assert item.refusal.kind == "ResourceError" and "op_ms" in item.refusal.message
+        assert "300 ms" in item.refusal.message and "long" in item.refusal.message
+        assert (item.fail_lo, item.fail_hi) == (item.request.base, item.request.base + long.n_values)
+    ran = [(item.tenant, item.template.program) for _, item in late + later if item.counts]
+    assert ("a", "short") in ran and ("b", "long") in ran  # its other program, and b's copy of it, run
+    caps["a"] = 1000  # the admin raised a's budget over what the computation took
+    again = run_to_the_end(scheduler, scheduler.queue([admitted(1, "a", 4, long)]), 1)
+    assert [item.counts for _, item in again if item.tenant == "a"] == [True]
+
+
+def test_a_computation_within_op_ms_or_a_long_compile_is_not_refused():
+    scheduler = Scheduler(0, 1, window=64, eager=100, op_cap_ms=lambda tenant: 100)
+    assert seqs(scheduler.queue([admitted(1, "a", 0), admitted(1, "a", 1)])) == [0]
+    released = scheduler.completed([[0, 2.05, 2.0, 0.05]])  # two seconds compiling, 50 ms computing
+    assert [item.refusal for _, item in released] == [None]

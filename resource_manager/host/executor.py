@@ -46,8 +46,8 @@ log = logging.getLogger(__name__)
 @dataclass
 class Report:
     """What the executor tells the island's scheduler: fragments done (seq, island seconds, the seconds of those
-    spent compiling), fragments waiting on another island (they leave the window), and parked receives whose data
-    landed here."""
+    spent compiling, the longest one computation of it ran), fragments waiting on another island (they leave the
+    window), and parked receives whose data landed here."""
 
     done: list[list] = field(default_factory=list)
     blocked: list[int] = field(default_factory=list)
@@ -166,7 +166,7 @@ class Executor:
         with self.cond:
             self.runs.remove(run)
             self.completed += 1
-        self._report.done.append([run.seq, run.busy_s, run.compile_s])
+        self._report.done.append([run.seq, run.busy_s, run.compile_s, run.longest_s])
         if self.events.enabled:
             self.events.span(f"seq {run.seq}: {run.label}", "fragment", run.admitted, time.time(), seq=run.seq,
                              tenant=run.tenant, program=run.label, ops=len(run.ops), busy_ms=round(run.busy_s * 1e3, 3))
@@ -192,7 +192,7 @@ class Executor:
             if self.strict and isinstance(op, Recv) and run.resumed_at != run.pc:
                 self._park(run, op)
                 return progressed
-            start = time.perf_counter()
+            start, compiled_before = time.perf_counter(), run.compile_s
             wall = time.time() if self.events.enabled else 0.0
             try:
                 if not self.handlers.run(run, op, final=run.resumed_at == run.pc):
@@ -213,6 +213,8 @@ class Executor:
                 self._fail_op(run, op, Failure(*to_wire(exc)))
             elapsed = time.perf_counter() - start
             run.busy_s += elapsed
+            if isinstance(op, Exec):
+                run.longest_s = max(run.longest_s, elapsed - (run.compile_s - compiled_before))
             self.busy_s += elapsed
             if self.events.enabled:
                 self._trace_op(run, op, wall, elapsed)

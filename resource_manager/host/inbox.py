@@ -16,7 +16,7 @@ import threading
 import time
 
 from pathways.errors import PathwaysError, to_wire
-from pathways.messages import CLIENT_ID_BITS, Call, Free, Put, decode_request
+from pathways.messages import CLIENT_ID_BITS, Call, Free, Put, client_of, decode_request
 from pathways.ops import TemplateCache
 from resource_manager.host.admission import Admitted
 from resource_manager.host.buffers import BufferTable, Failure
@@ -69,8 +69,12 @@ class Inbox:
 
     def _from_row(self, row: tuple) -> Admitted:
         client, tenant, payload, refusal, lo, hi, end = row
-        if refusal is not None:
-            return Admitted(client, tenant, payload, None, None, Failure(*refusal), lo, hi)
+        if refusal is not None:  # the request only for the frees it carries, when it reads (as on host 0)
+            try:
+                request = decode_request(payload)
+            except Exception:
+                request = None
+            return Admitted(client, tenant, payload, request, None, Failure(*refusal), lo, hi)
         request = decode_request(payload)
         template = self.templates.get(request.template, tenant) if isinstance(request, Call) else None
         return Admitted(client, tenant, payload, request, template, end=end)
@@ -104,6 +108,8 @@ class Inbox:
         if item.refusal is not None:
             if item.fail_hi > item.fail_lo:
                 self.table.fail_range(item.fail_lo, item.fail_hi, item.tenant, item.refusal)
+            if isinstance(item.request, Call):  # the arrays it frees were dropped all the same
+                self.table.free([i for i in item.request.frees if client_of(i) == item.client], item.tenant)
             return
         request = item.request
         if isinstance(request, Free):

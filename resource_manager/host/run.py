@@ -43,6 +43,7 @@ class Run:
     waiting_since: float | None = None
     busy_s: float = 0.0
     compile_s: float = 0.0  # the part of busy_s spent compiling executables
+    longest_s: float = 0.0  # the longest one computation of it ran here, compiling aside
     admitted: float = field(default_factory=time.time)
     reported_blocked: bool = False
     parked: bool = False

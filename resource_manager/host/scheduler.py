@@ -43,6 +43,12 @@ part takes its own place in the order, chosen by fair share like any
 fragment, so no tenant's huge program holds another's small one up for
 longer than a part, on every host of the island alike.
 
+A computation cannot be stopped once it runs, so a tenant's ``op_ms`` budget caps
+what follows instead: once one computation of a program ran longer (host 0
+measures it), the program's later calls are released as refusals that name
+the budget, those already queued included, and the tenant cannot hold the
+island in unbreakable pieces longer than its cap, one at a time.
+
 Small computations are cheap to run and dear to send: once ``eager``
 fragments are in flight, new messages wait for the next completion report and
 go with everything released then, as one message per host.
@@ -60,10 +66,13 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from pathways.errors import ResourceError, to_wire
 from pathways.ops import Template
 from resource_manager.host.admission import Admitted
+from resource_manager.host.buffers import Failure
 
 FIRST_ESTIMATE_S = 1e-3  # what a fragment of a template never measured counts against the window
 RECENT_S = 10.0  # the window of the "recent" share that status shows while jobs run
@@ -119,8 +128,10 @@ class Scheduler:
     """Thread-safe: admitted messages and the executors' reports arrive on different threads."""
 
     def __init__(self, island: int, n_hosts: int, window: int = 64, window_s: float = 0.05, eager: int = 8,
-                 credit_s: float | None = None, part_s: float | None = None, first_part_ops: int = 256) -> None:
+                 credit_s: float | None = None, part_s: float | None = None, first_part_ops: int = 256,
+                 op_cap_ms: Callable[[str], int] | None = None) -> None:
         self.island, self.n_hosts = island, n_hosts
+        self._op_cap_ms = op_cap_ms or (lambda tenant: 1 << 62)  # the tenant's op_ms budget, from the registry
         self._lock = threading.Lock()
         self.window, self.window_s, self.eager = window, window_s, eager
         self.credit_s = window_s if credit_s is None else credit_s
@@ -135,6 +146,7 @@ class Scheduler:
         self._pass: dict[str, float] = {}  # island time charged (measured) / weight
         self._owed: dict[str, float] = {}  # the estimates of the tenant's fragments in flight / weight
         self._cost: OrderedDict[tuple[str, Template | None], float] = OrderedDict()  # seconds per op
+        self._over_cap: OrderedDict[tuple[str, Template | None], float] = OrderedDict()  # its longest computation
         self._inflight: dict[int, _Flight] = {}
         self._blocked: dict[int, _Flight] = {}
         self._flying: dict[str, int] = {}  # tenant -> its fragments in the window
@@ -242,6 +254,8 @@ class Scheduler:
             item = self._queues[tenant].popleft()
             entry = item.entry if isinstance(item, _Rest) else item
             seq = self._next()
+            if isinstance(item, Admitted) and item.counts and (tenant, item.template) in self._over_cap:
+                entry = self._refuse_over_cap(item)
             if not entry.counts:
                 released.append((seq, entry))
                 self._maybe_idle(tenant)
@@ -268,20 +282,43 @@ class Scheduler:
                 self._unmeasured[tenant] = self._unmeasured.get(tenant, 0) + 1
         return released
 
+    def _refuse_over_cap(self, entry: Admitted) -> Admitted:
+        """``entry`` refused for its tenant's op_ms budget (its outputs fail with the reason on every host), or as
+        it is if the admin raised the budget above what its computation took since."""
+        key = (entry.tenant, entry.template)
+        took, cap = self._over_cap[key], self._op_cap_ms(entry.tenant)
+        if took * 1e3 <= cap:
+            del self._over_cap[key]
+            return entry
+        template = entry.template
+        error = ResourceError(
+            f"over your op_ms budget: a computation of program {template.program!r} ran {took * 1e3:.0f} ms on island "
+            f"{self.island}, over the limit of {cap} ms, and a running computation cannot be stopped, so the program "
+            "is refused from now on; split the work into shorter computations (fewer loop iterations or layers per "
+            "call), or ask the cluster's admin to raise it (pathways tenants set NAME --budget op_ms=N)")
+        base = entry.request.base
+        return replace(entry, refusal=Failure(*to_wire(error)), fail_lo=base, fail_hi=base + template.n_values)
+
     # -- reports ------------------------------------------------------------------------------------------
     def completed(self, reports: list[list]) -> Released:
-        """Host 0 reports (seq, island seconds[, seconds of them compiling]) for finished fragments: charge each to
-        its tenant, all of it, and learn its template's cost per op from the time it ran, compiling aside."""
+        """Host 0 reports (seq, island seconds[, seconds of them compiling[, its longest computation]]) for
+        finished fragments: charge each to its tenant, all of it, learn its template's cost per op from the time it
+        ran, compiling aside, and mark the template over its tenant's op_ms budget if one computation ran longer."""
         with self._lock:
-            for seq, busy, *compiling in reports:
+            for seq, busy, *rest in reports:
                 flight = self._leave_window(seq) or self._blocked.pop(seq, None)
                 if flight is None:
                     continue
                 self._account(flight.tenant, busy)
                 self._pass[flight.tenant] += busy / self._weight(flight.tenant)
-                ran = busy - sum(compiling)
+                ran = busy - (rest[0] if rest else 0.0)
                 if ran > 0:  # a run that only compiled says nothing of what the next will take
                     self._learn(flight.key, ran / max(flight.ops, 1))
+                longest = rest[1] if len(rest) > 1 else 0.0
+                if longest * 1e3 > self._op_cap_ms(flight.tenant):
+                    self._over_cap[flight.key] = max(longest, self._over_cap.pop(flight.key, 0.0))
+                    while len(self._over_cap) > COSTS:
+                        self._over_cap.popitem(last=False)
             self._end_busy_period()
             return self._release()
 

@@ -86,7 +86,7 @@ def core(island: int, index: int, n_hosts: int, limits: Limits, devices: LocalDe
     parts = Parts(cond, limits, devices, grants, table, pool, exes, uploads, peers, receiver, handlers, executor,
                   inbox, events)
     if index == 0:
-        parts.scheduler = Scheduler(island, n_hosts)
+        parts.scheduler = Scheduler(island, n_hosts, op_cap_ms=lambda tenant: grants.budgets(tenant).op_ms)
         parts.admission = Admission(limits, grants, exes, gap_timeout)
     holder.append(parts)
     return parts

@@ -452,3 +452,18 @@ def test_a_computation_within_op_ms_or_a_long_compile_is_not_refused():
     assert seqs(scheduler.queue([admitted(1, "a", 0), admitted(1, "a", 1)])) == [0]
     released = scheduler.completed([[0, 2.05, 2.0, 0.05]])  # two seconds compiling, 50 ms computing
     assert [item.refusal for _, item in released] == [None]
+
+
+def test_the_recent_island_time_covers_the_last_ten_seconds_in_bounded_memory(monkeypatch):
+    """What status shows as each tenant's recent share: the island time of about the last ``RECENT_S`` seconds,
+    kept per second, so a tenant's thousands of fragments a second cost the scheduler a few buckets."""
+    clock = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    scheduler = Scheduler(0, 1)
+    for k in range(20000):  # 1,000 charges a second for 20 s, three in four of them a's
+        clock[0] = 1000.0 + k * 1e-3
+        scheduler.charge("b" if k % 4 == 0 else "a", 1e-3)
+    recent = scheduler.stats()["tenant_time_recent_s"]
+    assert abs(recent["a"] - 7.5) <= 0.8 and abs(recent["b"] - 2.5) <= 0.3, recent
+    assert len(scheduler._recent) <= 12
+    assert scheduler.stats()["tenant_time_s"]["a"] == pytest.approx(15.0)

@@ -154,7 +154,7 @@ class Scheduler:
         self._landed: dict[tuple[int, int], set[int]] = {}
         self._resumes: deque[Resume] = deque()
         self._time: dict[str, float] = {}
-        self._recent: deque[tuple[float, str, float]] = deque()
+        self._recent: deque[tuple[int, dict[str, float]]] = deque()  # (second, tenant -> island time in it)
         self._fragments: dict[str, int] = {}
         self._idle: dict[str, float] = {}  # tenant -> seconds it had nothing queued or in flight
         self._idle_since: dict[str, float] = {}
@@ -333,7 +333,13 @@ class Scheduler:
 
     def _account(self, tenant: str, seconds: float) -> None:
         self._time[tenant] = self._time.get(tenant, 0.0) + seconds
-        self._recent.append((time.monotonic(), tenant, seconds))
+        second = int(time.monotonic())  # one bucket per second: bounded whatever a tenant's rate of fragments
+        if not self._recent or self._recent[-1][0] != second:
+            self._recent.append((second, {}))
+            while self._recent[0][0] < second - RECENT_S:
+                self._recent.popleft()
+        bucket = self._recent[-1][1]
+        bucket[tenant] = bucket.get(tenant, 0.0) + seconds
 
     def blocked(self, seqs: list[int]) -> Released:
         """Fragments waiting on another island's transfer leave the window, so islands never wait on
@@ -380,11 +386,11 @@ class Scheduler:
         ``idle_s``: seconds it had nothing queued or in flight, so that "backlogged" can be checked)."""
         with self._lock:
             horizon = time.monotonic() - RECENT_S
-            while self._recent and self._recent[0][0] < horizon:
-                self._recent.popleft()
             recent: dict[str, float] = {}
-            for _, tenant, busy in self._recent:
-                recent[tenant] = recent.get(tenant, 0.0) + busy
+            for second, bucket in self._recent:
+                if second >= horizon:
+                    for tenant, busy in bucket.items():
+                        recent[tenant] = recent.get(tenant, 0.0) + busy
             vtime = self._virtual_time()
             now = time.monotonic()
             tenants = {t: {"lag_s": (p - vtime) * self._weight(t), "queued": len(self._queues.get(t, ())),

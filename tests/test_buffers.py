@@ -14,7 +14,7 @@ from resource_manager.host.buffers import BufferTable, Failure
 
 
 def test_a_wait_returns_the_buffer_once_it_is_written():
-    table = BufferTable(threading.Condition())
+    table = BufferTable()
     threading.Timer(0.1, table.put, args=(7, "a", np.ones(3))).start()
     start = time.monotonic()
     entry = table.wait(7, "a", timeout=10.0)
@@ -23,7 +23,7 @@ def test_a_wait_returns_the_buffer_once_it_is_written():
 
 
 def test_a_wait_times_out_on_other_writes_and_leaves_no_waiter():
-    table = BufferTable(threading.Condition())
+    table = BufferTable()
     writer = threading.Thread(target=lambda: [table.put(i, "a", np.zeros(i)) for i in range(100)])
     writer.start()
     assert table.wait(1000, "a", timeout=0.3) is None
@@ -34,7 +34,7 @@ def test_a_wait_times_out_on_other_writes_and_leaves_no_waiter():
 
 
 def test_a_wait_refuses_another_tenants_buffer():
-    table = BufferTable(threading.Condition())
+    table = BufferTable()
     threading.Timer(0.05, table.put, args=(3, "owner", np.zeros(1))).start()
     with pytest.raises(pw.TenantAccessError, match="not owned by tenant 'thief'"):
         table.wait(3, "thief", timeout=10.0)
@@ -44,7 +44,7 @@ def test_a_wait_refuses_another_tenants_buffer():
 
 def table_with(*entries: tuple[int, str, int]) -> BufferTable:
     """A table holding (id, tenant, bytes) entries."""
-    table = BufferTable(threading.Condition())
+    table = BufferTable()
     for buffer_id, tenant, nbytes in entries:
         table.put(buffer_id, tenant, np.zeros(nbytes, np.uint8))
     return table
@@ -117,7 +117,7 @@ def test_free_client_frees_only_that_clients_ids_of_its_tenant():
 # -- refused messages and a dead host ------------------------------------------------------------------------
 
 def test_ids_of_a_refused_message_fail_for_their_tenant_only():
-    table = BufferTable(threading.Condition())
+    table = BufferTable()
     failure = Failure("ProgramError", "refused: bad template")
     table.fail_range(100, 110, "a", failure)
     assert table.lookup(100, "a").value == failure and table.lookup(109, "a").value == failure
@@ -127,7 +127,7 @@ def test_ids_of_a_refused_message_fail_for_their_tenant_only():
 
 
 def test_a_wait_for_a_refused_id_returns_its_failure_at_once():
-    table = BufferTable(threading.Condition())
+    table = BufferTable()
     failure = Failure("ProgramError", "refused")
     threading.Timer(0.05, table.fail_range, args=(100, 110, "a", failure)).start()
     start = time.monotonic()

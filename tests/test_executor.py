@@ -40,13 +40,12 @@ class Host:
         p = self.parts
         for client in (0, 1):  # the sessions whose ids the tests' buffers and receives use
             p.grants.add_session(client, TENANT, b"k" * 32)
-        self.cond, self.table, self.devices, self.exes = p.cond, p.table, p.devices, p.exes
+        self.table, self.devices, self.exes = p.table, p.devices, p.exes
         self.receiver, self.handlers, self.executor = p.receiver, p.handlers, p.executor
         self.seq = 0
 
     def touch(self) -> None:
-        with self.cond:
-            self.executor.touch()
+        self.executor.touch()
 
     def function(self, fn, n_inputs: int) -> str:
         vs = VirtualSlice(None, {"key": "s1", "shape": [2], "axes": ["x"], "island": 0, "devices": [[0, 0], [0, 1]],
@@ -63,8 +62,7 @@ class Host:
     def run(self, template: Template, base: int, inputs: tuple[int, ...] = ()) -> Run:
         run = Run(self.seq, TENANT, 1, template.program, template.ops, template, template.n_inputs, base, inputs)
         self.seq += 1
-        with self.cond:
-            self.executor.admit(run)
+        self.executor.admit(run)
         return run
 
     def fetch(self, buffer_id: int, timeout: float = 20.0) -> np.ndarray:
@@ -163,8 +161,7 @@ def test_a_parked_receive_lets_the_order_move_on_and_resumes_with_its_data():
     while not any(r.landed for r in host.reports) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert [p for r in host.reports for p in r.landed] == [(receiving.seq, 0)]
-    with host.cond:
-        host.executor.resume(receiving.seq, 0)  # what the island's scheduler sends once every host has landed
+    host.executor.resume(receiving.seq, 0)  # what the island's scheduler sends once every host has landed
     np.testing.assert_allclose(host.fetch(1002), 6.0)
     np.testing.assert_allclose(host.fetch(3001), 7.0)
     host.executor.stop()
@@ -173,10 +170,8 @@ def test_a_parked_receive_lets_the_order_move_on_and_resumes_with_its_data():
 def test_pieces_from_a_host_the_plan_does_not_name_are_refused(host):
     recv = Recv(1, "s1", (), Aval((4,), "float32"), 1, (Route(0, 0, (((0, 4),),)),))
     host.run(Template("recv", 0, 2, {"s1": DESC}, (recv,)), base=1000)
-    with host.cond:  # from island 0 (not the source the plan names): refused; then the right sender's
-        host.receiver.deliver(Deliver(1001, 0, 0, (((0, 4),),)), (np.full(4, 666.0, np.float32),), (0, 0))
-    with host.cond:
-        host.receiver.deliver(Deliver(1001, 1, 0, (((0, 4),),)), (np.zeros(4, np.float32),), (1, 0))
+    host.receiver.deliver(Deliver(1001, 0, 0, (((0, 4),),)), (np.full(4, 666.0, np.float32),), (0, 0))
+    host.receiver.deliver(Deliver(1001, 1, 0, (((0, 4),),)), (np.zeros(4, np.float32),), (1, 0))
     np.testing.assert_allclose(host.fetch(1001), 0.0)
     assert host.receiver.refused == 1
 
@@ -196,8 +191,7 @@ def test_pieces_for_a_receive_that_already_finished_go_straight_back():
         host.fetch(1001)
     from resource_manager.host.transport.direct import Lent
     late = Lent(12345, 4096, ((0, 4),), (1, 0), 7, "")
-    with host.cond:
-        host.receiver.deliver(Deliver(1001, 1, 0, (((0, 4),),)), (late,), (1, 0))
+    host.receiver.deliver(Deliver(1001, 1, 0, (((0, 4),),)), (late,), (1, 0))
     assert given_back == [late] and 1001 not in host.receiver.mailbox
     host.executor.stop()
 

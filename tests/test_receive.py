@@ -4,7 +4,6 @@ unclaimed mailboxes expiring, and parked receives reported once their data lande
 
 from __future__ import annotations
 
-import threading
 import time
 
 import numpy as np
@@ -44,11 +43,10 @@ class Side:
     """One host's receive side, wired as the host wires it, on this process's CPU devices."""
 
     def __init__(self, op_timeout: float = 5.0) -> None:
-        self.cond = threading.Condition()
-        self.table = BufferTable(self.cond)
+        self.table = BufferTable()
         self.peers = RecordingPeers()
         self.touched = 0
-        self.receiver = Receiver(0, 0, self.table, BufferPool(), self.peers, self.cond, op_timeout, self.touch)
+        self.receiver = Receiver(0, 0, self.table, BufferPool(), self.peers, op_timeout, self.touch)
         devices = LocalDevices(0)
         self.landing = Landing((8,), np.dtype("float32"), devices.sharding(DESC, ("x",)),
                                devices.wanted(DESC, (8,), ("x",)))
@@ -59,8 +57,7 @@ class Side:
     def deliver(self, sender: tuple[int, int], *pieces: tuple, key: int = KEY, failure=None) -> None:
         """``pieces``: (region, data) pairs from ``sender`` = (island, host)."""
         msg = Deliver(key, sender[0], sender[1], tuple(r for r, _ in pieces), failure)
-        with self.cond:
-            self.receiver.deliver(msg, [d for _, d in pieces], sender)
+        self.receiver.deliver(msg, [d for _, d in pieces], sender)
 
     def recv(self, final: bool = False, key: int = KEY) -> bool:
         return self.receiver.recv(key, RECV, RECV.expected(0), self.landing, TENANT, "prog", final)
@@ -192,8 +189,7 @@ def test_an_unclaimed_mailbox_expires_and_returns_its_leases():
 
 def test_a_parked_receive_is_reported_once_its_pieces_landed(side):
     left, right = halves()
-    with side.cond:
-        side.receiver.watch(7, 3, KEY, RECV, RECV.expected(0))
+    side.receiver.watch(7, 3, KEY, RECV, RECV.expected(0))
     side.deliver((1, 0), (LEFT, left))
     assert side.receiver.take_landed() == []
     side.deliver((1, 2), (RIGHT, right))  # from a host the plan does not name: does not count
@@ -208,27 +204,23 @@ def test_a_parked_receive_whose_pieces_are_already_here_is_reported_at_once(side
     left, right = halves()
     side.deliver((1, 0), (LEFT, left))
     side.deliver((1, 1), (RIGHT, right))
-    with side.cond:
-        side.receiver.watch(7, 3, KEY, RECV, RECV.expected(0))
+    side.receiver.watch(7, 3, KEY, RECV, RECV.expected(0))
     assert side.receiver.take_landed() == [(7, 3)]
 
 
 def test_a_parked_receive_with_nothing_for_this_host_is_reported_at_once(side):
-    with side.cond:
-        side.receiver.watch(8, 1, KEY, RECV, None)
+    side.receiver.watch(8, 1, KEY, RECV, None)
     assert side.receiver.take_landed() == [(8, 1)]
 
 
 def test_a_parked_receive_is_reported_when_its_source_island_fails_or_it_times_out():
     side = Side(op_timeout=0.05)
-    with side.cond:
-        side.receiver.watch(1, 0, KEY, RECV, RECV.expected(0))
-        side.receiver.watch(2, 0, KEY + 1, RECV, RECV.expected(0))
+    side.receiver.watch(1, 0, KEY, RECV, RECV.expected(0))
+    side.receiver.watch(2, 0, KEY + 1, RECV, RECV.expected(0))
     side.receiver.island_failed(1)
     assert sorted(side.receiver.take_landed()) == [(1, 0), (2, 0)]
     other = Side(op_timeout=0.05)
-    with other.cond:
-        other.receiver.watch(3, 0, KEY, RECV, RECV.expected(0))
+    other.receiver.watch(3, 0, KEY, RECV, RECV.expected(0))
     assert other.receiver.expire() <= 0.05 and other.receiver.take_landed() == []
     time.sleep(0.08)
     other.receiver.expire()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,13 +51,14 @@ class BufferTable:
 
     Every lookup names the tenant, and another tenant's buffer is refused (or, for frees, ignored). A
     buffer with pending uses (``add_uses``) is only doomed by a free; the last ``done_using`` drops it.
-    ``cond`` is the host's condition: the executor holds it while it admits and advances runs.
+    The table owns its lock; the callbacks ``when_ready`` registers run with it held, so they only hand
+    work on. Lookups read without it (one dict read each).
     """
 
-    def __init__(self, cond: threading.Condition) -> None:
-        self._cond = cond
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
         self._entries: dict[int, Entry] = {}
-        self._uses: Counter[int] = Counter()
+        self._uses: dict[int, int] = {}
         self._doomed: set[int] = set()
         self._waiters: dict[int, list[Callable[[], None]]] = {}  # called (the lock held) when the id arrives
         self._failed: deque[tuple[int, int, str, Failure]] = deque(maxlen=FAILED_RANGES)
@@ -89,7 +90,7 @@ class BufferTable:
     def put(self, buffer_id: int, tenant: str, value: Any) -> None:
         """Store ``value`` as buffer ``buffer_id`` of ``tenant`` and wake the waits for it; TenantAccessError if another
         tenant owns that id."""
-        with self._cond:
+        with self._lock:
             entry = self._entries.get(buffer_id)
             if entry is not None and entry.tenant != tenant:
                 raise TenantAccessError(f"buffer {buffer_id} is not owned by tenant {tenant!r}; refusing to write it")
@@ -120,7 +121,7 @@ class BufferTable:
     def take(self, buffer_id: int, tenant: str) -> Any:
         """Remove a buffer and return its value (an input donated to XLA); the caller made sure nothing
         else uses it."""
-        with self._cond:
+        with self._lock:
             entry = self.lookup(buffer_id, tenant)
             if entry is None:
                 return None
@@ -135,17 +136,15 @@ class BufferTable:
     def hold(self, ids: list[int]) -> None:
         """Count one more use of these buffers (a send still reading them in the background): no free drops
         them and no call donates them until ``release``."""
-        with self._cond:
-            self.add_uses(ids)
+        self.add_uses(ids)
 
     def release(self, ids: list[int]) -> None:
         """End the uses ``hold`` counted; a buffer freed meanwhile is dropped now."""
-        with self._cond:
-            self.done_using(ids)
+        self.done_using(ids)
 
     def fail_range(self, lo: int, hi: int, tenant: str, failure: Failure) -> None:
         """Ids ``lo`` to ``hi - 1`` of a refused message: waits for any of them return ``failure``."""
-        with self._cond:
+        with self._lock:
             self._failed.append((lo, hi, tenant, failure))
             for buffer_id in [i for i in self._waiters if lo <= i < hi]:
                 for call in self._waiters.pop(buffer_id):
@@ -153,7 +152,7 @@ class BufferTable:
 
     def die(self, failure: Failure) -> None:
         """The host can no longer run: every present and future wait returns ``failure``."""
-        with self._cond:
+        with self._lock:
             self._dead = failure
             for calls in self._waiters.values():
                 for call in calls:
@@ -163,7 +162,7 @@ class BufferTable:
     def when_ready(self, buffer_id: int, tenant: str, call: Callable[[], None]) -> Entry | None:
         """The entry if it exists (or the failure that stands for it); otherwise None, and ``call`` runs (with
         the table's lock held: it must only hand work on) once it does, unless ``forget`` comes first."""
-        with self._cond:
+        with self._lock:
             found = self.lookup(buffer_id, tenant)
             if found is None:
                 self._waiters.setdefault(buffer_id, []).append(call)
@@ -171,7 +170,7 @@ class BufferTable:
 
     def forget(self, buffer_id: int, call: Callable[[], None]) -> None:
         """Drop a ``when_ready`` callback that has not run (its wait timed out)."""
-        with self._cond:
+        with self._lock:
             calls = self._waiters.get(buffer_id)
             if calls is not None and call in calls:
                 calls.remove(call)
@@ -187,29 +186,38 @@ class BufferTable:
             return found
         if not event.wait(timeout):
             self.forget(buffer_id, event.set)
-        with self._cond:
+        with self._lock:
             return self.lookup(buffer_id, tenant)
 
     # -- uses and frees -------------------------------------------------------------------------------------
     def add_uses(self, ids: list[int]) -> None:
-        """Count one more pending use of each id (an admitted op that reads or writes it); the caller holds the
-        condition."""
-        self._uses.update(ids)
+        """Count one more pending use of each id (an admitted op that reads or writes it)."""
+        with self._lock:
+            uses = self._uses
+            for i in ids:
+                uses[i] = uses.get(i, 0) + 1
 
-    def done_using(self, ids: list[int]) -> None:
-        """End one use of each id, dropping the doomed ones nothing uses any more; the caller holds the condition."""
-        for i in ids:
-            self._uses[i] -= 1
-            if self._uses[i] <= 0:
-                del self._uses[i]
+    def done_using(self, ids: Sequence[int], frees: Sequence[int] = (), tenant: str = "") -> None:
+        """End one use of each id, dropping the doomed ones nothing uses any more; then free ``tenant``'s ``frees``
+        (an op done with the last use of what its fragment drops, in one step)."""
+        with self._lock:
+            uses = self._uses
+            for i in ids:
+                left = uses[i] - 1
+                if left > 0:
+                    uses[i] = left
+                    continue
+                del uses[i]
                 if i in self._doomed:
                     self._doomed.discard(i)
                     self._drop(i)
+            if frees:
+                self.free(frees, tenant)
 
-    def free(self, ids: list[int], tenant: str) -> None:
+    def free(self, ids: Sequence[int], tenant: str) -> None:
         """Drop ``tenant``'s buffers ``ids``, or doom those a pending op still uses (the last use drops them); ids of
         another tenant are ignored without a word."""
-        with self._cond:  # re-entrant: the executor frees while holding it
+        with self._lock:
             for i in ids:
                 entry = self._entries.get(i)
                 if entry is not None and entry.tenant != tenant:
@@ -221,14 +229,14 @@ class BufferTable:
 
     def free_client(self, client: int, tenant: str, id_bits: int) -> int:
         """Free every buffer minted by one client (its ids share a prefix), e.g. at its shutdown."""
-        with self._cond:
+        with self._lock:
             ids = [i for i, e in self._entries.items() if i >> id_bits == client and e.tenant == tenant]
         self.free(ids, tenant)
         return len(ids)
 
     def free_tenant(self, tenant: str) -> int:
         """Drop every buffer of ``tenant`` at once (the tenant was removed); returns how many."""
-        with self._cond:
+        with self._lock:
             ids = [i for i, e in self._entries.items() if e.tenant == tenant]
             for i in ids:
                 self._drop(i)
@@ -236,17 +244,17 @@ class BufferTable:
 
     def items(self) -> list[tuple[int, str, Any]]:
         """Every buffer as (id, tenant, value): what a snapshot saves."""
-        with self._cond:
+        with self._lock:
             return [(i, e.tenant, e.value) for i, e in self._entries.items()]
 
     def failed_ranges(self) -> list[tuple[int, int, str, Failure]]:
         """The id ranges of refused messages still remembered, as (lo, hi, tenant, failure)."""
-        with self._cond:
+        with self._lock:
             return list(self._failed)
 
     def clear(self) -> None:
         """Drop every buffer."""
-        with self._cond:
+        with self._lock:
             self._entries.clear()
             self._doomed.clear()
             self._bytes = 0
@@ -278,14 +286,14 @@ class BufferTable:
 
     def tenant_usage(self, tenant: str) -> dict[str, int]:
         """One tenant's buffers, bytes, and peak bytes since its last ``reset_peak``."""
-        with self._cond:
+        with self._lock:
             count = sum(1 for e in self._entries.values() if e.tenant == tenant)
             return {"buffers": count, "buffer_bytes": self._tenant_bytes.get(tenant, 0),
                     "peak_buffer_bytes": self._tenant_peak.get(tenant, 0)}
 
     def reset_peak(self, tenant: str | None = None) -> int:
         """Start a new peak (one tenant's, or the host's) at the current bytes; returns the peak that ends."""
-        with self._cond:
+        with self._lock:
             if tenant is None:
                 peak, self._peak = self._peak, self._bytes
                 return peak

@@ -60,18 +60,20 @@ class Report:
 class Executor:
     """The loop of one host: runs admitted fragments' ops as their inputs arrive, in the island's order.
 
-    ``admit`` and ``resume`` are called in sequence order with ``cond`` held. The loop runs on its own
-    thread: each pass advances every runnable run (on a multi-host island, ``strict``, only the oldest),
-    runs each op through ``handlers``, frees what an op's ``frees`` name once it is done, fails an op
-    whose inputs do not arrive within ``op_timeout``, and hands what finished, blocked or landed to the
-    ``report`` sink. A failed op writes its failure to its outputs; the run and the island go on.
+    ``admit`` and ``resume`` are called in sequence order (by the inbox). The executor owns its lock and
+    never calls another part while it holds it; the parts below it say that something changed through
+    ``touch``. The loop runs on its own thread: each pass advances every runnable run (on a multi-host
+    island, ``strict``, only the oldest), runs each op through ``handlers``, frees what an op's ``frees``
+    name once it is done, fails an op whose inputs do not arrive within ``op_timeout``, and hands what
+    finished, blocked or landed to the ``report`` sink. A failed op writes its failure to its outputs; the
+    run and the island go on.
     """
 
     def __init__(self, island: int, host: int, strict: bool, handlers: Handlers, receiver: Receiver,
-                 table: BufferTable, cond: threading.Condition, op_timeout: float, events: EventLog,
-                 report: Callable[[Report], None]) -> None:
+                 table: BufferTable, op_timeout: float, events: EventLog, report: Callable[[Report], None]) -> None:
         self.island, self.host, self.strict = island, host, strict
-        self.handlers, self.receiver, self.table, self.cond = handlers, receiver, table, cond
+        self.handlers, self.receiver, self.table = handlers, receiver, table
+        self._cond = threading.Condition()
         self.op_timeout = op_timeout
         self.events = events
         self._report_to = report
@@ -89,47 +91,61 @@ class Executor:
         self._thread = threading.Thread(target=self._main, name=f"executor-{island}.{host}", daemon=True)
         self._thread.start()
 
-    # -- admission (in sequence order, cond held) ---------------------------------------------------------
+    # -- admission (in sequence order) --------------------------------------------------------------------
     def admit(self, run: Run) -> None:
         """Take the next run in sequence order: count its uses, announce its receives, and queue it (or fail it at once
-        if the host is dead). The caller holds ``cond``."""
+        if the host is dead)."""
+        touched: list[int] = []
         for op in run.own_ops():
-            self.table.add_uses(run.touches(op))
+            touched += run.touches(op)
             if isinstance(op, Recv):
                 self.receiver.expect(run.rid(op.out), op)
-        if self.dead is not None:
-            self._fail_rest(run, Failure("IslandFailedError", self.dead))
-            return
-        self.runs.append(run)
-        self.touch()
+        self.table.add_uses(touched)
+        with self._cond:
+            dead = self.dead
+            if dead is None:
+                self.runs.append(run)
+                self._wake()
+        if dead is not None:
+            self._fail_rest(run, Failure("IslandFailedError", dead))
 
     def resume(self, seq: int, pc: int) -> None:
         """The rest of a parked run takes this place in the order (every host of the island alike)."""
-        run = self.parked.pop(seq, None)
-        if run is None or run.pc != pc:
-            log.error("island %d host %d: resume of fragment %d at op %d, which is not parked there", self.island,
-                      self.host, seq, pc)
-            return
-        for buffer_id in [i for i, s in self._future.items() if s == seq]:
-            del self._future[buffer_id]
-        run.parked, run.resumed_at = False, pc
-        self.runs.append(run)
-        for waiting in self._behind.pop(seq, []):
-            waiting.parked = False
-            self.runs.append(waiting)
-        self.touch()
+        with self._cond:
+            run = self.parked.pop(seq, None)
+            if run is None or run.pc != pc:
+                log.error("island %d host %d: resume of fragment %d at op %d, which is not parked there", self.island,
+                          self.host, seq, pc)
+                return
+            for buffer_id in [i for i, s in self._future.items() if s == seq]:
+                del self._future[buffer_id]
+            run.parked, run.resumed_at = False, pc
+            self.runs.append(run)
+            for waiting in self._behind.pop(seq, []):
+                waiting.parked = False
+                self.runs.append(waiting)
+            self._wake()
 
     def touch(self) -> None:
-        """Something changed (a run, a buffer, a landing): wake the loop. The caller holds ``cond``."""
+        """Something changed (a buffer, a landing, an upload): wake the loop."""
+        with self._cond:
+            self._wake()
+
+    def _wake(self) -> None:
         self.version += 1
-        self.cond.notify_all()
+        self._cond.notify_all()
 
     def stop(self) -> None:
         """Stop the loop and the handlers' sender threads."""
-        with self.cond:
+        with self._cond:
             self._stopped = True
-            self.touch()
+            self._wake()
         self.handlers.stop()
+
+    def busy(self) -> int:
+        """Runs admitted here and not finished (parked ones included)."""
+        with self._cond:
+            return len(self.runs) + len(self.parked) + sum(len(rs) for rs in self._behind.values())
 
     # -- the loop -----------------------------------------------------------------------------------------
     def _main(self) -> None:
@@ -141,7 +157,7 @@ class Executor:
 
     def _loop(self) -> None:
         while True:
-            with self.cond:
+            with self._cond:
                 if self._stopped:
                     return
                 seen = self.version
@@ -158,12 +174,13 @@ class Executor:
             self._flush()
             if progressed:
                 continue
-            with self.cond:
+            until_expiry = self.receiver.expire()
+            with self._cond:
                 if self.version == seen and not self._stopped:
-                    self.cond.wait(timeout=self._next_deadline())
+                    self._cond.wait(timeout=self._next_deadline(until_expiry))
 
     def _finish(self, run: Run) -> None:
-        with self.cond:
+        with self._cond:
             self.runs.remove(run)
             self.completed += 1
         self._report.done.append([run.seq, run.busy_s, run.compile_s, run.longest_s])
@@ -172,15 +189,13 @@ class Executor:
                              tenant=run.tenant, program=run.label, ops=len(run.ops), busy_ms=round(run.busy_s * 1e3, 3))
 
     def _flush(self) -> None:
-        with self.cond:
-            self._report.landed.extend(self.receiver.take_landed())
+        self._report.landed.extend(self.receiver.take_landed())
         if self._report:
             report, self._report = self._report, Report()
             self._report_to(report)
 
-    def _next_deadline(self) -> float:
+    def _next_deadline(self, until_expiry: float) -> float:
         waits = [r.waiting_since for r in self.runs if r.waiting_since is not None]
-        until_expiry = self.receiver.expire()
         if not waits:
             return min(1.0, until_expiry)
         return max(0.001, min(1.0, until_expiry, min(waits) + self.op_timeout - time.monotonic()))
@@ -218,10 +233,7 @@ class Executor:
             self.busy_s += elapsed
             if self.events.enabled:
                 self._trace_op(run, op, wall, elapsed)
-            with self.cond:
-                self.table.done_using(run.touches(op))
-                if op.frees:
-                    self.table.free(run.ids(op.frees), run.tenant)
+            self.table.done_using(run.touches(op), run.ids(op.frees) if op.frees else (), run.tenant)
             run.pc += 1
             run.waiting_since = None
             self.ops_run += 1
@@ -230,20 +242,20 @@ class Executor:
 
     # -- parking (multi-host islands) ---------------------------------------------------------------------
     def _park(self, run: Run, op: Recv) -> None:
-        with self.cond:
+        with self._cond:
             run.parked = True
             self.runs.remove(run)
             self.parked[run.seq] = run
             for buffer_id in run.remaining_writes():
                 self._future[buffer_id] = run.seq
-            self.receiver.watch(run.seq, run.pc, run.rid(op.out), op, op.expected(self.host))
+        self.receiver.watch(run.seq, run.pc, run.rid(op.out), op, op.expected(self.host))
         if not run.reported_blocked:
             run.reported_blocked = True
             self._report.blocked.append(run.seq)
 
     def _park_behind(self, run: Run, op: Op) -> bool:
         """Park ``run`` behind the parked run that will write a value ``op`` is missing, if there is one."""
-        with self.cond:
+        with self._cond:
             for buffer_id in run.ids(op.reads()):
                 producer = self._future.get(buffer_id)
                 if producer is not None and buffer_id not in self.table:
@@ -290,15 +302,14 @@ class Executor:
     def die(self, reason: str) -> None:
         """This host can no longer run: fail everything admitted, and every wait from now on."""
         failure = Failure("IslandFailedError", reason)
-        with self.cond:
+        with self._cond:
             self.dead = reason
             pending = self.runs + list(self.parked.values()) + [r for rs in self._behind.values() for r in rs]
             self.runs, self.parked, self._behind = [], {}, {}
         for run in pending:
             self._fail_rest(run, failure)
         self.table.die(failure)
-        with self.cond:
-            self.touch()
+        self.touch()
 
     def _trace_op(self, run: Run, op: Op, wall: float, elapsed: float) -> None:
         if run.waiting_since is not None:
@@ -318,7 +329,7 @@ class Executor:
     def stalled(self, tenant: str) -> list[dict]:
         """The tenant's admitted fragments that have not finished, and what each waits for."""
         out = []
-        with self.cond:
+        with self._cond:
             runs = [r for r in self.runs + list(self.parked.values()) if r.tenant == tenant]
         for run in runs:
             if run.pc >= run.end:

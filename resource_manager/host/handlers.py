@@ -234,8 +234,7 @@ class Handlers:
         this island) files a copy here, since the value it reads may be freed or donated before the recv."""
         if (island, host) != (self.island, self.host):
             return self.peers.send(island, host, msg, arrays, self.op_timeout)
-        with self.receiver.cond:
-            self.receiver.deliver(msg, [np.array(a, copy=True) for a in arrays], (self.island, self.host))
+        self.receiver.deliver(msg, [np.array(a, copy=True) for a in arrays], (self.island, self.host))
         return False
 
     def _deliver_all(self, value: Any, key: int, island: int, routes: list[Route], tenant: str) -> None:

@@ -146,8 +146,7 @@ class Host:
     def _island_failed(self, order: IslandFailed) -> None:
         p = self.parts
         p.peers.drop_island(order.island)
-        with p.cond:
-            p.receiver.island_failed(order.island)
+        p.receiver.island_failed(order.island)
 
     def _peers(self, order: PeerTable, handles: list) -> None:
         from resource_manager.host.transport.peers import PeerInfo
@@ -155,8 +154,7 @@ class Host:
         infos = [PeerInfo(h["island"], h["host"], h["node"], h["pid"], h["channel"], h["data"], handle)
                  for h, handle in zip(order.hosts, handles)]
         for island in self.parts.peers.set_hosts(infos):
-            with self.parts.cond:
-                self.parts.receiver.island_restored(island)
+            self.parts.receiver.island_restored(island)
 
     def _end_session(self, order: EndSession) -> None:
         p = self.parts
@@ -259,9 +257,8 @@ class Host:
         shard out; with how far its share of the island's order has come (``next_seq``) and, on host 0, how
         far the order goes (``sequenced``). The island is quiet when every host is and has caught up."""
         p = self.parts
-        with p.cond:
-            busy = len(p.executor.runs) + len(p.executor.parked) + p.inbox.held()
-            next_seq = p.inbox.next_seq
+        busy = p.executor.busy() + p.inbox.held()
+        next_seq = p.inbox.next_seq
         out = {"island": self.island, "host": self.index, "idle": busy == 0 and p.peers.lent_bytes == 0,
                "next_seq": next_seq, "busy": busy, "bytes": p.table.nbytes}
         if p.scheduler is not None:
@@ -290,14 +287,12 @@ class Host:
         msg = Deliver.from_wire(wire.decode(meta, "deliver"))
         if msg.direct is not None or len(pieces) != len(msg.shards):
             raise WireFormatError(f"deliver: {len(msg.shards)} shard indices but {len(pieces)} arrays")
-        with self.parts.cond:
-            self.parts.receiver.deliver(msg, pieces, (msg.src, msg.host))
+        self.parts.receiver.deliver(msg, pieces, (msg.src, msg.host))
 
     def on_network_piece(self, key: int, sender: tuple[int, int], shard: tuple, array: np.ndarray) -> None:
         """A piece a runtime host on another node sent over the network path (authenticated there, and routed
         to this host by its receive's plan): file it for the recv op."""
-        with self.parts.cond:
-            self.parts.receiver.deliver(Deliver(key, sender[0], sender[1], (shard,)), (array,), sender)
+        self.parts.receiver.deliver(Deliver(key, sender[0], sender[1], (shard,)), (array,), sender)
 
     def allowed_peer(self, pid: int) -> bool:
         """Whether ``pid`` (from a same-node socket's credentials) is one of the runtime's hosts."""
@@ -341,8 +336,7 @@ class Host:
             pieces = tuple(out)
         if len(pieces) != len(deliver.shards):
             raise WireFormatError(f"deliver: {len(deliver.shards)} shard indices but {len(pieces)} arrays")
-        with p.cond:
-            p.receiver.deliver(deliver, pieces, (peer.island, peer.host))
+        p.receiver.deliver(deliver, pieces, (peer.island, peer.host))
 
     def probe_direct(self, node: str, pid: int, addr: int, expected: bytes) -> str:
         """This host's channel address if it can copy lent shards out of runtime host ``pid`` (same node, and
@@ -367,9 +361,7 @@ class Host:
         """What this host's admitted fragments of ``tenant`` wait for, and how many messages it holds until an
         earlier sequence number arrives."""
         p = self.parts
-        with p.cond:
-            held = p.inbox.held()
-        return {"island": self.island, "host": self.index, "held": held, "runs": p.executor.stalled(tenant)}
+        return {"island": self.island, "host": self.index, "held": p.inbox.held(), "runs": p.executor.stalled(tenant)}
 
     def usage(self, tenant: str, reset_peak: bool) -> dict:
         """``tenant``'s buffers, bytes, peak bytes (restarted with ``reset_peak``) and executables here."""
@@ -413,19 +405,18 @@ class Host:
     def stats(self) -> dict:
         """Counters of the whole host, with no tenant's name in them."""
         p = self.parts
-        with p.cond:
-            out = {"island": self.island, "host": self.index, "pid": os.getpid(), "epoch": self.epoch,
-                   "buffers": len(p.table), "buffer_bytes": p.table.nbytes, "peak_buffer_bytes": p.table.peak_bytes,
-                   "tenants": len(p.table.by_tenant()), "compiles": p.exes.compiles, "cache_hits": p.exes.hits,
-                   "executables": len(p.exes), "evictions": p.exes.evictions, "next_seq": p.inbox.next_seq,
-                   "waiting": p.inbox.held(), "uptime_s": time.time() - self.started,
-                   "busy_fraction": p.metrics.busy_fraction if p.metrics is not None else 0.0,
-                   "dead": p.executor.dead or ""}
-            out.update(p.executor.stats())
-            out.update(p.pool.stats())
-            if p.channel is not None:
-                out.update(frames_in=p.channel.frames_in, frames_out=p.channel.frames_out,
-                           channel_refused=p.channel.refused)
+        out = {"island": self.island, "host": self.index, "pid": os.getpid(), "epoch": self.epoch,
+               "buffers": len(p.table), "buffer_bytes": p.table.nbytes, "peak_buffer_bytes": p.table.peak_bytes,
+               "tenants": len(p.table.by_tenant()), "compiles": p.exes.compiles, "cache_hits": p.exes.hits,
+               "executables": len(p.exes), "evictions": p.exes.evictions, "next_seq": p.inbox.next_seq,
+               "waiting": p.inbox.held(), "uptime_s": time.time() - self.started,
+               "busy_fraction": p.metrics.busy_fraction if p.metrics is not None else 0.0,
+               "dead": p.executor.dead or ""}
+        out.update(p.executor.stats())
+        out.update(p.pool.stats())
+        if p.channel is not None:
+            out.update(frames_in=p.channel.frames_in, frames_out=p.channel.frames_out,
+                       channel_refused=p.channel.refused)
         if p.network is not None:
             out.update(p.network.stats())
         out.update(p.clients.stats())

@@ -29,12 +29,14 @@ log = logging.getLogger(__name__)
 
 
 class Inbox:
-    """Admits sequenced items in order. ``accept`` may be called from several threads."""
+    """Admits sequenced items in order. ``accept`` may be called from several threads: the inbox owns the lock
+    that keeps its order, and hands each item to the executor under it."""
 
     def __init__(self, island: int, host: int, executor: Executor, table: BufferTable, exes: ExecutableCache,
-                 templates: TemplateCache, cond: threading.Condition) -> None:
+                 templates: TemplateCache) -> None:
         self.island, self.host = island, host
-        self.executor, self.table, self.exes, self.templates, self.cond = executor, table, exes, templates, cond
+        self.executor, self.table, self.exes, self.templates = executor, table, exes, templates
+        self._lock = threading.Lock()
         self._pending: dict[int, Item] = {}
         self._split: dict[int, Run] = {}  # a long fragment's first part, by its seq, until its last part is admitted
         self._next_seq = 0
@@ -42,7 +44,7 @@ class Inbox:
 
     def accept(self, items: list[tuple[int, Item]]) -> None:
         """Sequenced items from this island's scheduler (host 0's own share, already checked)."""
-        with self.cond:
+        with self._lock:
             for seq, item in items:
                 if seq >= self._next_seq and seq not in self._pending:
                     self._pending[seq] = item

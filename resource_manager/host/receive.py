@@ -81,13 +81,15 @@ def _piece_bytes(piece: Any) -> int:
 
 
 class Receiver:
-    """Files delivered pieces and runs recv ops. Called with the host's condition held, except ``recv``."""
+    """Files delivered pieces and runs recv ops. Thread-safe: it owns its lock, and tells the executor that
+    something landed through ``touch``."""
 
     def __init__(self, island: int, host: int, table: BufferTable, pool: BufferPool, peers: Peers,
-                 cond: threading.Condition, op_timeout: float, touch: Callable[[], None],
+                 op_timeout: float, touch: Callable[[], None],
                  owner: Callable[[int], tuple[str, Budgets] | None] | None = None) -> None:
         self.island, self.host = island, host
-        self.table, self.pool, self.peers, self.cond = table, pool, peers, cond
+        self.table, self.pool, self.peers = table, pool, peers
+        self._lock = threading.RLock()
         self.op_timeout = op_timeout
         self._touch = touch
         self._owner = owner or (lambda key: ("", Budgets()))
@@ -104,7 +106,12 @@ class Receiver:
 
     # -- filing -------------------------------------------------------------------------------------------
     def deliver(self, msg: Deliver, pieces: Sequence[Any], sender: Sender) -> None:
-        """File pieces from ``sender`` for receive ``msg.key`` (the caller holds the condition)."""
+        """File pieces from ``sender`` for receive ``msg.key``."""
+        with self._lock:
+            self._file(msg, pieces, sender)
+        self._touch()
+
+    def _file(self, msg: Deliver, pieces: Sequence[Any], sender: Sender) -> None:
         key = msg.key
         box = self.mailbox.get(key)
         if key in self._finished or key in self._refusals or (box is None and len(self.mailbox) >= MAX_MAILBOXES):
@@ -147,7 +154,6 @@ class Receiver:
         watch = self._watches.get(key)
         if watch is not None and self._complete(box, watch.count, watch.allowed):
             self._land_watch(key)
-        self._touch()
 
     def _refuse(self, key: int, pieces: Sequence[Any], error: Exception) -> None:
         """Refuse what arrived for ``key`` over its tenant's budget; its receive fails with ``error`` when it
@@ -162,7 +168,6 @@ class Receiver:
         watch = self._watches.get(key)
         if watch is not None:
             self._land_watch(key)
-        self._touch()
 
     def _drop_box(self, key: int) -> Mailbox | None:
         """Remove a mailbox and take its tenant's counts back."""
@@ -177,7 +182,7 @@ class Receiver:
 
     def held(self, tenant: str) -> tuple[int, int]:
         """(mailboxes, parked bytes) ``tenant`` holds on this host now."""
-        with self.cond:
+        with self._lock:
             mailboxes, nbytes = self._held.get(tenant, (0, 0))
             return mailboxes, nbytes
 
@@ -200,7 +205,7 @@ class Receiver:
 
     def drop(self, key: int) -> None:
         """The receive failed or will never run: return what was lent for it, refuse what comes later."""
-        with self.cond:
+        with self._lock:
             box = self._drop_box(key)
             self._finish(key)
             self._watches.pop(key, None)
@@ -217,7 +222,7 @@ class Receiver:
         """Land receive ``key`` as a buffer of ``tenant``; False while its pieces are still on the way
         (``final``: they will not come any more, so that is a failure)."""
         allowed = frozenset((op.src, s) for s in expect.senders)
-        with self.cond:
+        with self._lock:
             refused = self._refusals.pop(key, None)
             if refused is not None:
                 box = self._drop_box(key)
@@ -274,15 +279,16 @@ class Receiver:
     # -- parked recv ops (multi-host islands) -----------------------------------------------------------
     def watch(self, seq: int, pc: int, key: int, op: Recv, expect: Expect | None) -> None:
         """Report (seq, pc) through ``take_landed`` once this host's pieces for ``key`` are here (at once if
-        none come here), or the wait timed out (the caller holds the condition)."""
-        if expect is None:
-            self._landed.append((seq, pc))
-            return
-        allowed = frozenset((op.src, s) for s in expect.senders)
-        self._watches[key] = _Watch(seq, pc, expect.count, allowed, op.src)
-        box = self.mailbox.get(key)
-        if (box is not None and self._complete(box, expect.count, allowed)) or op.src in self.failed_islands:
-            self._land_watch(key)
+        none come here), or the wait timed out."""
+        with self._lock:
+            if expect is None:
+                self._landed.append((seq, pc))
+                return
+            allowed = frozenset((op.src, s) for s in expect.senders)
+            self._watches[key] = _Watch(seq, pc, expect.count, allowed, op.src)
+            box = self.mailbox.get(key)
+            if (box is not None and self._complete(box, expect.count, allowed)) or op.src in self.failed_islands:
+                self._land_watch(key)
 
     def _land_watch(self, key: int) -> None:
         watch = self._watches.pop(key)
@@ -290,36 +296,41 @@ class Receiver:
 
     def take_landed(self) -> list[tuple[int, int]]:
         """(seq, pc) of parked recv ops whose data landed or will not come, since the last call."""
-        landed, self._landed = self._landed, []
-        return landed
+        with self._lock:
+            landed, self._landed = self._landed, []
+            return landed
 
     def expire(self) -> float:
         """Time out watches and unclaimed mailboxes; returns seconds until the next one may expire."""
         now = time.monotonic()
         horizon = now - self.op_timeout
-        for key, watch in list(self._watches.items()):
-            if watch.since < horizon:
-                self._land_watch(key)
-        stale = [k for k, box in self.mailbox.items() if box.since < horizon - self.op_timeout]
-        for key in stale:
-            box = self._drop_box(key)
-            self._finish(key)
+        with self._lock:
+            for key, watch in list(self._watches.items()):
+                if watch.since < horizon:
+                    self._land_watch(key)
+            stale = [k for k, box in self.mailbox.items() if box.since < horizon - self.op_timeout]
+            boxes = []
+            for key in stale:
+                boxes.append(self._drop_box(key))
+                self._finish(key)
+            oldest = min([w.since for w in self._watches.values()], default=now + self.op_timeout)
+        for box in boxes:
             self._give_back(list(box.pieces.values()))
-        oldest = min([w.since for w in self._watches.values()], default=now + self.op_timeout)
         return max(0.001, oldest + self.op_timeout - now)
 
     def island_failed(self, island: int) -> None:
-        """``island`` failed: receives from it stop waiting (parked ones are reported landed, to fail when they run).
-        The caller holds the condition."""
-        self.failed_islands.add(island)
-        for key, watch in list(self._watches.items()):
-            if watch.src == island:
-                self._land_watch(key)
+        """``island`` failed: receives from it stop waiting (parked ones are reported landed, to fail when they run)."""
+        with self._lock:
+            self.failed_islands.add(island)
+            for key, watch in list(self._watches.items()):
+                if watch.src == island:
+                    self._land_watch(key)
         self._touch()
 
     def island_restored(self, island: int) -> None:
         """A failed island restarted: receives from its new hosts may wait for them again."""
-        self.failed_islands.discard(island)
+        with self._lock:
+            self.failed_islands.discard(island)
 
     def stats(self) -> dict[str, int]:
         """The receive side's counters: open mailboxes, bytes received (and of those copied from lent memory),

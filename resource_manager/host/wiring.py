@@ -8,7 +8,6 @@ metrics.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +33,6 @@ from resource_manager.host.uploads import Uploads
 class Parts:
     """Everything one host is made of (``scheduler`` and ``admission`` on host 0 only)."""
 
-    cond: threading.Condition
     limits: Limits
     devices: LocalDevices
     grants: Grants
@@ -58,18 +56,16 @@ class Parts:
 
     def touch(self) -> None:
         """Something the executor may wait for changed: wake it."""
-        with self.cond:
-            self.executor.touch()
+        self.executor.touch()
 
 
 def core(island: int, index: int, n_hosts: int, limits: Limits, devices: LocalDevices, peers: Peers,
          op_timeout: float, gap_timeout: float, report: Callable[[Report], None], grants: Grants | None = None,
          events: EventLog | None = None) -> Parts:
     """The data plane of host ``index`` of ``island``: reports of its executor go to ``report``."""
-    cond = threading.Condition()
     grants = grants or Grants()
     events = events or EventLog()
-    table = BufferTable(cond)
+    table = BufferTable()
     pool = BufferPool()
     exes = ExecutableCache(limits, lambda tenant: grants.budgets(tenant).executable_bytes)
     holder: list[Parts] = []
@@ -78,12 +74,12 @@ def core(island: int, index: int, n_hosts: int, limits: Limits, devices: LocalDe
         holder[0].touch()
 
     uploads = Uploads(2 * op_timeout, touch)
-    receiver = Receiver(island, index, table, pool, peers, cond, op_timeout, touch, grants.owner)
+    receiver = Receiver(island, index, table, pool, peers, op_timeout, touch, grants.owner)
     handlers = Handlers(island, index, devices, table, exes, peers, pool, receiver, uploads, events, op_timeout,
                         grants.budgets)
-    executor = Executor(island, index, n_hosts > 1, handlers, receiver, table, cond, op_timeout, events, report)
-    inbox = Inbox(island, index, executor, table, exes, TemplateCache(check=lambda t: t.check(limits)), cond)
-    parts = Parts(cond, limits, devices, grants, table, pool, exes, uploads, peers, receiver, handlers, executor,
+    executor = Executor(island, index, n_hosts > 1, handlers, receiver, table, op_timeout, events, report)
+    inbox = Inbox(island, index, executor, table, exes, TemplateCache(check=lambda t: t.check(limits)))
+    parts = Parts(limits, devices, grants, table, pool, exes, uploads, peers, receiver, handlers, executor,
                   inbox, events)
     if index == 0:
         parts.scheduler = Scheduler(island, n_hosts, op_cap_ms=lambda tenant: grants.budgets(tenant).op_ms)

@@ -54,7 +54,8 @@ class Gate:
             self._mine.depth = 0
             with self._cond:
                 self._sending -= 1
-                self._cond.notify_all()
+                if self.phase != RUNNING:  # ``close`` waits for the calls sending now
+                    self._cond.notify_all()
 
     def wait_open(self, timeout: float, what: str) -> None:
         """Return once the cluster runs; ClusterSuspendedError after ``timeout`` seconds."""

@@ -96,11 +96,13 @@ def _declare_all() -> None:
         import pathways.requests  # noqa: F401
 
 
-def encode(kind: str, body: dict[str, Any]) -> bytes:
-    """Pack ``body`` as a message of ``kind``; the version and kind are added here."""
+def encode(kind: str, body: dict[str, Any], check: bool = True) -> bytes:
+    """Pack ``body`` as a message of ``kind``; the version and kind are added here. ``check=False`` skips
+    validating it against the schema, for a hot message built from typed values (its receiver validates it)."""
     _declare_all()
     msg = {"v": VERSION, "kind": kind, **body}
-    _validate(msg, _schema(kind), kind)
+    if check:
+        _validate(msg, _schema(kind), kind)
     return msgpack.packb(msg, use_bin_type=True)
 
 
@@ -209,6 +211,19 @@ def _compile(schema: Any) -> Check:
             raise _Invalid(" / ".join(errors))
         return check_or
     item = inner[0]
+    if tag == "list" and schema[1] in (int, str, bytes):
+        exact = schema[1]  # ``type(v) is int`` also keeps bools out, as ``check_int`` does
+
+        def check_plain_list(value: Any) -> None:  # ids, names: the long lists, checked without a call per item
+            if not isinstance(value, (list, tuple)):
+                raise _Invalid(f"expected a list, got {type(value).__name__}")
+            for i, v in enumerate(value):
+                if type(v) is not exact:
+                    try:
+                        item(v)
+                    except _Invalid as exc:
+                        raise exc.within(f"[{i}]") from None
+        return check_plain_list
     if tag == "list":
         def check_list(value: Any) -> None:
             if not isinstance(value, (list, tuple)):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from pathways.budgets import over
@@ -34,16 +34,18 @@ class Failure:
     message: str
 
 
-@dataclass
 class Entry:
-    """One buffer: the tenant that owns it and its value (a ``jax.Array``, or the Failure that replaced it)."""
+    """One buffer: the tenant that owns it, its value (a ``jax.Array``, or the Failure that replaced it) and its
+    bytes (read on every put and drop; ``jax.Array.nbytes`` is a Python property, so a caller that knows them
+    says so)."""
 
-    tenant: str
-    value: Any  # jax.Array | Failure
-    nbytes: int = field(init=False)  # read on every put and drop: jax.Array.nbytes is a Python property
+    __slots__ = ("tenant", "value", "nbytes")
 
-    def __post_init__(self) -> None:
-        self.nbytes = 0 if isinstance(self.value, Failure) else int(self.value.nbytes)
+    def __init__(self, tenant: str, value: Any, nbytes: int | None = None) -> None:
+        self.tenant, self.value = tenant, value
+        if nbytes is None:
+            nbytes = 0 if isinstance(value, Failure) else int(value.nbytes)
+        self.nbytes = nbytes
 
 
 class BufferTable:
@@ -87,16 +89,17 @@ class BufferTable:
             self._tenant_bytes[old.tenant] -= old.nbytes
         return old
 
-    def put(self, buffer_id: int, tenant: str, value: Any) -> None:
-        """Store ``value`` as buffer ``buffer_id`` of ``tenant`` and wake the waits for it; TenantAccessError if another
-        tenant owns that id."""
+    def put(self, buffer_id: int, tenant: str, value: Any, nbytes: int | None = None) -> None:
+        """Store ``value`` (of ``nbytes``, when the caller knows them) as buffer ``buffer_id`` of ``tenant`` and wake
+        the waits for it; TenantAccessError if another tenant owns that id."""
         with self._lock:
             entry = self._entries.get(buffer_id)
             if entry is not None and entry.tenant != tenant:
                 raise TenantAccessError(f"buffer {buffer_id} is not owned by tenant {tenant!r}; refusing to write it")
-            self._set(buffer_id, Entry(tenant, value))
-            for call in self._waiters.pop(buffer_id, ()):
-                call()
+            self._set(buffer_id, Entry(tenant, value, nbytes))
+            if self._waiters:
+                for call in self._waiters.pop(buffer_id, ()):
+                    call()
 
     def lookup(self, buffer_id: int, tenant: str) -> Entry | None:
         """The entry if it exists (or the failure that stands for it); refuses another tenant's buffer

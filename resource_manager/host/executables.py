@@ -17,6 +17,7 @@ temporaries XLA plans for must fit what the machine has free.
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 import threading
 import warnings
@@ -56,6 +57,7 @@ class Compiled:
     nbytes: int
     out_bytes: int
     resident_bytes: int
+    out_nbytes: tuple[int | None, ...] = ()  # each output's ``jax.Array.nbytes``, known without asking it
 
 
 class ExecutableCache:
@@ -74,6 +76,7 @@ class ExecutableCache:
         self._lock = threading.Lock()
         self._exported: dict[str, Any] = {}  # hash -> jax.export.Exported, shared by the tenants that sent it
         self._blobs: dict[str, dict[str, int]] = {}  # tenant -> {hash: blob bytes}
+        self.version = 0  # grows whenever blobs are forgotten, so a check that a tenant has some can be remembered
         self._bytes: dict[str, bytes] = {}  # hash -> the blob itself (what a snapshot saves)
         self._compiled: dict[str, OrderedDict[tuple, Compiled]] = {}
         self.compiles = 0
@@ -107,6 +110,7 @@ class ExecutableCache:
     def drop_tenant(self, tenant: str) -> None:
         """Forget everything a tenant sent and compiled (the last of its sessions on this host ended)."""
         with self._lock:
+            self.version += 1
             self._blobs.pop(tenant, None)
             self._compiled.pop(tenant, None)
             used = {h for blobs in self._blobs.values() for h in blobs}
@@ -167,7 +171,7 @@ class ExecutableCache:
         resident = 0 if stats is None else int(stats.output_size_in_bytes)
         code = 0 if stats is None else int(stats.generated_code_size_in_bytes)
         blob = self._blobs.get(tenant, {}).get(exe_hash, 0)
-        return Compiled(compiled, max(code, 4 * blob), out_bytes, resident)
+        return Compiled(compiled, max(code, 4 * blob), out_bytes, resident, tuple(map(_nbytes, exported.out_avals)))
 
     def _evict(self, per_tenant: OrderedDict) -> None:
         while len(per_tenant) > 1 and (len(per_tenant) > COMPILED_ENTRIES
@@ -201,6 +205,14 @@ def _deserialize(exe_hash: str, blob: bytes) -> Any:
             raise ResourceError(f"executable {exe_hash[:12]}… computes an intermediate of shape {tuple(shape)}, "
                                 "whose size overflows; no host can hold it")
     return exported
+
+
+def _nbytes(aval: Any) -> int | None:
+    """The bytes of an array of ``aval`` (None for a dtype numpy does not know, such as a PRNG key's)."""
+    try:
+        return math.prod(int(d) for d in aval.shape) * np.dtype(aval.dtype).itemsize
+    except TypeError:
+        return None
 
 
 def _overflows(shape: Sequence[int], itemsize: int) -> bool:

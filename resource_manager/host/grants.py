@@ -14,6 +14,8 @@ from pathways.budgets import Budgets
 from pathways.messages import client_of
 from pathways.ops import SliceDesc
 
+DEFAULT_BUDGETS = Budgets()
+
 
 @dataclass(frozen=True)
 class Session:
@@ -32,6 +34,7 @@ class Grants:
         self._sessions: dict[int, Session] = {}
         self._budgets: dict[str, Budgets] = {}
         self._slices: dict[str, tuple[str, SliceDesc]] = {}
+        self.version = 0  # grows with every change of the slices, so a check of them can be remembered
 
     def add_session(self, client: int, tenant: str, key: bytes, budgets: Budgets | None = None) -> None:
         """Accept connections proven with ``key`` as client ``client`` of ``tenant`` (whose budgets these are)."""
@@ -56,7 +59,7 @@ class Grants:
 
     def budgets(self, tenant: str) -> Budgets:
         """``tenant``'s budgets on this host: the one place a host looks them up (the defaults until told)."""
-        return self._budgets.get(tenant) or Budgets()
+        return self._budgets.get(tenant) or DEFAULT_BUDGETS
 
     def owner(self, buffer_id: int) -> tuple[str, Budgets] | None:
         """The tenant whose session minted ``buffer_id``, with its budgets; None when no session here did."""
@@ -67,12 +70,14 @@ class Grants:
         """``tenant`` holds slice ``key`` on the devices ``desc`` names."""
         with self._lock:
             self._slices[key] = (tenant, desc)
+            self.version += 1
 
     def revoke(self, keys: list[str]) -> None:
         """The slices ``keys`` are released: programs and puts on them are refused from now on."""
         with self._lock:
             for key in keys:
                 self._slices.pop(key, None)
+            self.version += 1
 
     def owns(self, tenant: str, desc: SliceDesc) -> bool:
         """Whether ``tenant`` holds slice ``desc.key`` on exactly these devices."""

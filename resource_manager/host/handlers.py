@@ -143,16 +143,17 @@ class Handlers:
         compiled = self.exes.get(run.tenant, op.exe, mesh, desc, op.in_specs, op.out_specs, donate)
         if self.exes.compiles != compiles:  # charged like the run, but no measure of what later runs cost
             run.compile_s += time.perf_counter() - start
-        freed = sum(entries[p].nbytes for p in donate)
+        freed = sum(entries[p].nbytes for p in donate) if donate else 0
         self.table.check_room(run.tenant, compiled.resident_bytes - freed, self.budgets(run.tenant).host_bytes)
         results = compiled.call(*[e.value for e in entries])
         # One launch at a time: XLA's CPU collectives deadlock when many multi-device launches are in
         # flight, and blocking makes the island time charged to each tenant (and traced) real.
-        jax.block_until_ready(results)
+        for value in results:
+            value.block_until_ready()
         for position in donate:
             self.table.take(run.rid(op.inputs[position]), run.tenant)
-        for slot, value in zip(op.outputs, results):
-            self.table.put(run.rid(slot), run.tenant, value)
+        for slot, value, nbytes in zip(op.outputs, results, compiled.out_nbytes or (None,) * len(results)):
+            self.table.put(run.rid(slot), run.tenant, value, nbytes)
         return True
 
     def _donatable(self, run: Run, op: Exec) -> tuple[int, ...]:

@@ -111,7 +111,7 @@ class _Rest:
     lo: int
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class _Flight:
     """A fragment (or part) in flight: its tenant, its estimate, the (tenant, template) its cost teaches and its
     ops, and whether it holds its tenant's one place for a template never measured."""
@@ -142,7 +142,7 @@ class Scheduler:
         self._seq = 0
         self._vtime = 0.0
         self._weights: dict[str, float] = {}
-        self._queues: dict[str, deque[Admitted | _Rest]] = {}
+        self._queues: dict[str, deque[Admitted | _Rest]] = {}  # only tenants with something queued
         self._pass: dict[str, float] = {}  # island time charged (measured) / weight
         self._owed: dict[str, float] = {}  # the estimates of the tenant's fragments in flight / weight
         self._cost: OrderedDict[tuple[str, Template | None], float] = OrderedDict()  # seconds per op
@@ -170,9 +170,13 @@ class Scheduler:
         with self._lock:
             self._received[0] += 1
             self._received[1] += len(entries)
+            queues = self._queues
             for entry in entries:
-                self._wake(entry.tenant)
-                self._queues.setdefault(entry.tenant, deque()).append(entry)
+                queue = queues.get(entry.tenant)
+                if queue is None:
+                    self._wake(entry.tenant)
+                    queue = queues[entry.tenant] = deque()
+                queue.append(entry)
             return self._release() if len(self._inflight) < self.eager else []
 
     def charge(self, tenant: str, seconds: float) -> None:
@@ -213,7 +217,7 @@ class Scheduler:
     def _end_busy_period(self) -> None:
         """Nothing queued and nothing in flight: every tenant starts the next busy period level, debts forgiven (no
         one was kept waiting by them) and credits spent."""
-        if not self._inflight and not any(self._queues.values()) and self._pass:
+        if not self._inflight and not self._queues and self._pass:
             self._vtime = max(self._vtime, max(self._pass.values()))
             self._pass = dict.fromkeys(self._pass, self._vtime)
 
@@ -225,10 +229,7 @@ class Scheduler:
     def _ready(self, tenant: str) -> bool:
         """Whether the head of the tenant's queue may go now: not while a fragment of a template it never had
         measured is in flight and the head is one too (unmeasured work must not fill the window)."""
-        queue = self._queues[tenant]
-        if not queue:
-            return False
-        return self._unmeasured.get(tenant, 0) == 0 or self._cost_of(queue[0]) is not None
+        return not self._unmeasured.get(tenant) or self._cost_of(self._queues[tenant][0]) is not None
 
     def _cost_of(self, item: Admitted | _Rest) -> float | None:
         """Seconds per op of the item's template for its tenant; None if never measured. A message that runs
@@ -246,15 +247,21 @@ class Scheduler:
         """Resumes first, then what the window allows in pass order, as one batch for every host."""
         released: Released = [(self._next(), resume) for resume in self._resumes]
         self._resumes.clear()
-        while len(self._inflight) < self.window and (not self._inflight or self._inflight_s < self.window_s):
-            ready = [t for t in self._queues if self._ready(t)]
+        queues, inflight = self._queues, self._inflight
+        while len(inflight) < self.window and (not inflight or self._inflight_s < self.window_s):
+            ready = [t for t in queues if self._ready(t)]
             if not ready:
                 break
-            tenant = min(ready, key=lambda t: (self._pass[t] + self._owed.get(t, 0.0), t))
-            item = self._queues[tenant].popleft()
+            tenant = ready[0] if len(ready) == 1 else min(
+                ready, key=lambda t: (self._pass[t] + self._owed.get(t, 0.0), t))
+            queue = queues[tenant]
+            item = queue.popleft()
+            if not queue:
+                del queues[tenant]
             entry = item.entry if isinstance(item, _Rest) else item
             seq = self._next()
-            if isinstance(item, Admitted) and item.counts and (tenant, item.template) in self._over_cap:
+            over_cap = self._over_cap and isinstance(item, Admitted) and item.counts
+            if over_cap and (tenant, item.template) in self._over_cap:
                 entry = self._refuse_over_cap(item)
             if not entry.counts:
                 released.append((seq, entry))
@@ -271,7 +278,8 @@ class Scheduler:
                 released.append((seq, entry if hi == n_ops else replace(entry, end=hi)))
                 self._fragments[tenant] = self._fragments.get(tenant, 0) + 1
             if hi < n_ops:  # the rest goes before the tenant's later messages
-                self._queues[tenant].appendleft(_Rest(entry, item.seq if isinstance(item, _Rest) else seq, hi))
+                queues.setdefault(tenant, deque()).appendleft(_Rest(entry, item.seq if isinstance(item, _Rest) else seq,
+                                                                    hi))
             estimate = FIRST_ESTIMATE_S if cost is None else max(cost * (hi - lo), 1e-6)
             owed = estimate / self._weight(tenant)
             self._inflight[seq] = _Flight(tenant, estimate, owed, (tenant, entry.template), hi - lo, cost is None)

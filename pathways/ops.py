@@ -173,8 +173,12 @@ class Op:
         return ()
 
     def touches(self) -> tuple[int, ...]:
-        """Every slot the op reads or writes."""
-        return self.reads() + self.writes()
+        """Every slot the op reads or writes (worked out once: an executor asks twice per op it runs)."""
+        touched = self.__dict__.get("_touches")
+        if touched is None:
+            touched = self.reads() + self.writes()
+            object.__setattr__(self, "_touches", touched)  # a frozen op: a cache, not a field
+        return touched
 
     def label(self) -> str:
         """The op's name in traces and errors."""
@@ -570,6 +574,15 @@ class TemplateCache:
             raise type(template)(str(template))
         return template
 
+    def cached(self, blob: bytes, tenant: str = "") -> Template | None:
+        """The checked template ``blob`` encodes if it was decoded before (raising the error it failed with), else
+        None: a call's fast path."""
+        cache = self._decoded.get(tenant)
+        template = None if cache is None else cache.get(blob)
+        if isinstance(template, Exception):
+            raise type(template)(str(template))
+        return template
+
     def forget(self, tenant: str) -> None:
         """Drop a tenant's templates (its last session here ended)."""
         self._decoded.pop(tenant, None)
@@ -586,15 +599,17 @@ def declared_ops(blob: bytes) -> int:
 
 
 def _seek(blob: bytes, field: str) -> Any:
-    """A msgpack unpacker of ``blob`` (a map) standing at the value of ``field``, having skipped every other field
-    without building it; None when there is no such field. Raises on bytes that are not a map."""
+    """A msgpack unpacker of ``blob`` (a template message) standing at the value of ``field``, having skipped
+    what comes before it without building it; None when the message is too short to have it. Raises on bytes
+    that are not a msgpack array."""
     unpacker = wire.msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=max(len(blob), 1))
     unpacker.feed(blob)
-    for _ in range(unpacker.read_map_header()):
-        if unpacker.unpack() == field:
-            return unpacker
+    position = wire.position("template", field)
+    if unpacker.read_array_header() <= position:
+        return None
+    for _ in range(position):
         unpacker.skip()
-    return None
+    return unpacker
 
 
 def declared_values(blob: bytes) -> int:

@@ -118,7 +118,9 @@ def test_a_program_over_the_tenants_program_ops_budget_is_refused_before_it_is_d
     assert refused.refusal.kind == "ResourceError" and "over your program_ops budget" in refused.refusal.message
     import msgpack
 
-    header = msgpack.packb({"program": "p", "ops": [1] * 3})[:-4]  # "ops": an array announcing 3, cut short
+    from pathways import wire
+
+    header = msgpack.packb([wire.VERSION, "template", "p", 1, 2, {}, [1] * 3])[:-2]  # ops: announcing 3, cut short
     calls = [Template("huge", 1, 2, {"s1": DESC}, tuple(Send(0, 1, 1, ()) for _ in range(5000))).encode(), header]
     for k, blob in enumerate(calls):  # counted without decoding: a cut-off header is enough to know
         (refused,) = a.accept(CLIENT, "alice", 1 + k, [empty_call(2 + k, template=blob, inputs=(ids(100),))])

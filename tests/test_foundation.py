@@ -127,8 +127,9 @@ def test_buffers_are_freed_when_handles_are_dropped(cluster):
 def test_garbage_and_unauthenticated_messages_are_refused_and_endpoints_keep_serving(cluster):
     from pathways.protocol.connection import connect
 
-    wrong_version = wire.encode("fetch", {"rid": 1, "id": 1, "timeout": 1.0, "ready_only": True}).replace(
-        b"\xa1v\x03", b"\xa1v\x07")
+    fetch = wire.encode("fetch", {"rid": 1, "id": 1, "timeout": 1.0, "ready_only": True})
+    assert fetch[:2] == bytes([0x96, wire.VERSION])  # an array of 6: the version, the kind, four fields
+    wrong_version = fetch[:1] + b"\x07" + fetch[2:]
     for where in (0, None):  # a host, then the resource manager
         conn = raw_connection(cluster, where)
         for bad in (b"garbage", b"\x81\xa1v\x63", wire.encode("free", {"ids": []})[:-2], wrong_version):

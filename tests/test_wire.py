@@ -14,7 +14,7 @@ DELIVER = Deliver(7, 0, 1, (((0, 1024), (0, 512)),), direct=Lending(3, (4096,), 
 
 
 def body(msg: bytes) -> dict:
-    return {k: v for k, v in msgpack.unpackb(msg, raw=False).items() if k not in ("v", "kind")}
+    return {k: v for k, v in wire.decode(msg).items() if k not in ("v", "kind")}
 
 
 def test_typed_messages_round_trip():

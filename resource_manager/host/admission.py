@@ -182,21 +182,26 @@ class Admission:
 
     def _check_call(self, client: int, tenant: str, call: Call) -> Template:
         budgets = self.grants.budgets(tenant)
+        template = self.templates.cached(call.template, tenant)
+        if template is None:
+            def count_ops(blob: bytes) -> None:  # before the costly decode of a template never seen
+                ops = declared_ops(blob)
+                if ops > budgets.program_ops:
+                    raise over("program_ops", 0, ops, budgets.program_ops, "ops")
 
-        def count_ops(blob: bytes) -> None:  # before the costly decode of a template never seen
-            ops = declared_ops(blob)
-            if ops > budgets.program_ops:
-                raise over("program_ops", 0, ops, budgets.program_ops, "ops")
-
-        template = self.templates.get(call.template, tenant, budgets.templates, count_ops)
+            template = self.templates.get(call.template, tenant, budgets.templates, count_ops)
         if len(template.ops) > budgets.program_ops:  # the budget shrank since it was decoded
             raise over("program_ops", 0, len(template.ops), budgets.program_ops, "ops")
-        self._own(client, (call.base, call.base + max(template.n_values - 1, 0)), "a call's output block")
         if len(call.inputs) != template.n_inputs:
             raise ProgramError(f"program {template.program!r} takes {template.n_inputs} inputs; the call names "
                                f"{len(call.inputs)}")
-        self._own(client, call.inputs, f"program {template.program!r}")
-        self._own(client, call.frees, "a free")
+        lo, hi = client << CLIENT_ID_BITS, (client + 1) << CLIENT_ID_BITS
+        last = call.base + max(template.n_values - 1, 0)
+        if not (0 < call.base and lo <= call.base and last < hi and all(lo <= i < hi and i > 0 for i in call.inputs)
+                and all(lo <= i < hi and i > 0 for i in call.frees)):
+            self._own(client, (call.base, last), "a call's output block")  # says which id was wrong
+            self._own(client, call.inputs, f"program {template.program!r}")
+            self._own(client, call.frees, "a free")
         if not call.exes and self._verified.get(template) == (self.grants.version, self.exes.version):
             return template
         for desc in template.slices.values():

@@ -101,6 +101,13 @@ class BufferTable:
                 for call in self._waiters.pop(buffer_id, ()):
                     call()
 
+    def put_all(self, ids: Sequence[int], tenant: str, values: Sequence[Any], nbytes: Sequence[int] = ()) -> None:
+        """``put`` each of ``values`` (of ``nbytes``, when known) as the buffer of the same position in ``ids``, under
+        one hold of the lock: an op's outputs."""
+        with self._lock:
+            for k, (buffer_id, value) in enumerate(zip(ids, values)):
+                self.put(buffer_id, tenant, value, nbytes[k] if nbytes else None)
+
     def lookup(self, buffer_id: int, tenant: str) -> Entry | None:
         """The entry if it exists (or the failure that stands for it); refuses another tenant's buffer
         without revealing it."""

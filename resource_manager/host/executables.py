@@ -124,12 +124,20 @@ class ExecutableCache:
             return {t: {h: self._bytes[h] for h in held} for t, held in self._blobs.items()}
 
     # -- compiled -----------------------------------------------------------------------------------------
+    @staticmethod
+    def key(exe_hash: str, desc: SliceDesc, in_specs: Sequence[WireSpec], out_specs: Sequence[WireSpec]) -> tuple:
+        """What a compiled executable is kept by, but for its donated inputs: a caller running the same op again
+        makes it once (``get``'s ``key``)."""
+        return exe_hash, desc.devices, desc.shape, desc.axes, tuple(in_specs), tuple(out_specs)
+
     def get(self, tenant: str, exe_hash: str, mesh: Mesh, desc: SliceDesc, in_specs: Sequence[WireSpec],
-            out_specs: Sequence[WireSpec], donate: tuple[int, ...] = ()) -> Any:
+            out_specs: Sequence[WireSpec], donate: tuple[int, ...] = (), key: tuple | None = None) -> Any:
         """The compiled executable (compiling it on a miss); ResourceError if its outputs and temporaries
-        cannot fit this host now."""
-        key = (exe_hash, desc.devices, desc.shape, desc.axes, tuple(in_specs), tuple(out_specs), donate)
-        per_tenant = self._compiled.setdefault(tenant, OrderedDict())
+        cannot fit this host now. ``key``: ``ExecutableCache.key`` of the other arguments, when the caller kept it."""
+        key = (key or self.key(exe_hash, desc, in_specs, out_specs)) + (donate,)
+        per_tenant = self._compiled.get(tenant)
+        if per_tenant is None:
+            per_tenant = self._compiled.setdefault(tenant, OrderedDict())
         entry = per_tenant.get(key)
         if entry is None:
             entry = self._compile(tenant, exe_hash, mesh, desc, in_specs, out_specs, donate)

@@ -83,6 +83,7 @@ class Executor:
         self._behind: dict[int, list[Run]] = {}  # parked run's seq -> runs waiting for its outputs
         self._future: dict[int, int] = {}  # buffer id -> seq of the parked run that will write it
         self.version = 0
+        self._sleeping = False  # the loop waits on ``_cond``: what changes must notify it
         self.completed = 0
         self.ops_run = 0
         self.busy_s = 0.0
@@ -95,17 +96,23 @@ class Executor:
     def admit(self, run: Run) -> None:
         """Take the next run in sequence order: count its uses, announce its receives, and queue it (or fail it at once
         if the host is dead)."""
-        touched: list[int] = []
-        for op in run.own_ops():
-            touched += run.touches(op)
-            if isinstance(op, Recv):
-                self.receiver.expect(run.rid(op.out), op)
+        ops = run.own_ops()
+        if len(ops) == 1 and type(ops[0]) is not Recv:  # the common case: one computation
+            touched = run.touches(ops[0])
+        else:
+            touched = []
+            for op in ops:
+                touched += run.touches(op)
+                if isinstance(op, Recv):
+                    self.receiver.expect(run.rid(op.out), op)
         self.table.add_uses(touched)
         with self._cond:
             dead = self.dead
             if dead is None:
                 self.runs.append(run)
-                self._wake()
+                self.version += 1
+                if self._sleeping:
+                    self._cond.notify()
         if dead is not None:
             self._fail_rest(run, Failure("IslandFailedError", dead))
 
@@ -177,7 +184,9 @@ class Executor:
             until_expiry = self.receiver.expire()
             with self._cond:
                 if self.version == seen and not self._stopped:
+                    self._sleeping = True
                     self._cond.wait(timeout=self._next_deadline(until_expiry))
+                    self._sleeping = False
 
     def _finish(self, run: Run) -> None:
         with self._cond:

@@ -64,11 +64,7 @@ class Handlers:
         self.bytes_out = 0
         # One table from op class to what it does; each takes (run, op, final).
         self._handlers: dict[type, Callable[[Run, Any, bool], bool]] = {
-            Exec: lambda run, op, _: self._exec(run, op),
-            Send: lambda run, op, _: self._send(run, op),
-            Recv: self._recv,
-            Reshard: lambda run, op, _: self._reshard(run, op),
-            Place: lambda run, op, _: self._place(run, op),
+            Exec: self._exec, Send: self._send, Recv: self._recv, Reshard: self._reshard, Place: self._place,
         }
 
     def run(self, run: Run, op: Op, final: bool) -> bool:
@@ -99,7 +95,9 @@ class Handlers:
     def _work_out(self, template: Template, op: Op) -> Any:
         if isinstance(op, Exec):
             desc = template.slices[op.slice]
-            return (desc, self.devices.mesh(desc)) if self.devices.participates(desc) else False
+            if not self.devices.participates(desc):
+                return False
+            return desc, self.devices.mesh(desc), self.exes.key(op.exe, desc, op.in_specs, op.out_specs)
         if isinstance(op, Send):
             return [r for r in op.routes if r.host == self.host]
         if isinstance(op, Recv):
@@ -130,30 +128,32 @@ class Handlers:
         return entries
 
     # -- ops ----------------------------------------------------------------------------------------------
-    def _exec(self, run: Run, op: Exec) -> bool:
+    def _exec(self, run: Run, op: Exec, final: bool = False) -> bool:
         local = self._local(run, op)
         if local is False:
             return True  # a slice on other hosts of this island: nothing of it lives here
-        desc, mesh = local
+        desc, mesh, key = local
         entries = self._entries(run, op.inputs)
         if entries is None:
             return False
-        donate = self._donatable(run, op)
-        compiles, start = self.exes.compiles, time.perf_counter()
-        compiled = self.exes.get(run.tenant, op.exe, mesh, desc, op.in_specs, op.out_specs, donate)
+        tenant = run.tenant
+        donate = self._donatable(run, op) if op.donate else ()
+        compiles = self.exes.compiles
+        start = time.perf_counter()
+        compiled = self.exes.get(tenant, op.exe, mesh, desc, op.in_specs, op.out_specs, donate, key)
         if self.exes.compiles != compiles:  # charged like the run, but no measure of what later runs cost
             run.compile_s += time.perf_counter() - start
         freed = sum(entries[p].nbytes for p in donate) if donate else 0
-        self.table.check_room(run.tenant, compiled.resident_bytes - freed, self.budgets(run.tenant).host_bytes)
+        self.table.check_room(tenant, compiled.resident_bytes - freed, self.budgets(tenant).host_bytes)
         results = compiled.call(*[e.value for e in entries])
         # One launch at a time: XLA's CPU collectives deadlock when many multi-device launches are in
         # flight, and blocking makes the island time charged to each tenant (and traced) real.
         for value in results:
-            value.block_until_ready()
+            if not value.is_ready():  # a small computation is done when the call returns: no need to let go of the GIL
+                value.block_until_ready()
         for position in donate:
-            self.table.take(run.rid(op.inputs[position]), run.tenant)
-        for slot, value, nbytes in zip(op.outputs, results, compiled.out_nbytes or (None,) * len(results)):
-            self.table.put(run.rid(slot), run.tenant, value, nbytes)
+            self.table.take(run.rid(op.inputs[position]), tenant)
+        self.table.put_all(run.ids(op.outputs), tenant, results, compiled.out_nbytes)
         return True
 
     def _donatable(self, run: Run, op: Exec) -> tuple[int, ...]:
@@ -163,7 +163,7 @@ class Handlers:
         ids = run.ids(op.inputs)
         return tuple(p for p in op.donate if ids.count(ids[p]) == 1 and not self.table.used_elsewhere(ids[p]))
 
-    def _reshard(self, run: Run, op: Reshard) -> bool:
+    def _reshard(self, run: Run, op: Reshard, final: bool = False) -> bool:
         sharding = self._local(run, op)
         if sharding is False:
             return True
@@ -173,7 +173,7 @@ class Handlers:
         self.table.put(run.rid(op.out), run.tenant, jax.device_put(entries[0].value, sharding))
         return True
 
-    def _place(self, run: Run, op: Place) -> bool:
+    def _place(self, run: Run, op: Place, final: bool = False) -> bool:
         if not self.devices.participates(op.slice):
             return True
         pieces = self.uploads.take(run.base, run.tenant)
@@ -202,7 +202,7 @@ class Handlers:
         self.table.check_room(run.tenant, landing.nbytes, self.budgets(run.tenant).host_bytes)
         return self.receiver.recv(run.rid(op.out), op, expect, landing, run.tenant, run.label, final)
 
-    def _send(self, run: Run, op: Send) -> bool:
+    def _send(self, run: Run, op: Send, final: bool = False) -> bool:
         routes = self._local(run, op)
         if not routes:
             return True

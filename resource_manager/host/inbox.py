@@ -122,15 +122,18 @@ class Inbox:
         if isinstance(request, Put):
             self.executor.admit(self._put_run(seq, item, request))
             return
-        try:
-            for exe_hash, blob in request.exes.items():
-                self.exes.add(item.tenant, exe_hash, blob)
-        except PathwaysError as exc:
-            template = item.template
-            self.table.fail_range(request.base, request.base + template.n_values, item.tenant, Failure(*to_wire(exc)))
-            self._ran_nothing(seq)
-            return
-        self.table.free(list(request.frees), item.tenant)
+        if request.exes:
+            try:
+                for exe_hash, blob in request.exes.items():
+                    self.exes.add(item.tenant, exe_hash, blob)
+            except PathwaysError as exc:
+                template = item.template
+                self.table.fail_range(request.base, request.base + template.n_values, item.tenant,
+                                      Failure(*to_wire(exc)))
+                self._ran_nothing(seq)
+                return
+        if request.frees:
+            self.table.free(request.frees, item.tenant)
         template = item.template
         run = Run(seq, item.tenant, item.client, template.program, template.ops, template, template.n_inputs,
                   request.base, request.inputs, end=-1 if item.end is None else item.end)

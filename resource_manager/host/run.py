@@ -25,7 +25,7 @@ class Place(Op):
         return (0,)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # one per call: slots keep making it cheap
 class Run:
     """An admitted message's ops, in order; ``pc`` is the next one and ``end`` the one it stops before (a part of
     a long fragment runs ``ops[pc:end]``; -1: all of them). Client-minted ids resolve lazily."""

@@ -247,42 +247,51 @@ class Scheduler:
         """Resumes first, then what the window allows in pass order, as one batch for every host."""
         released: Released = [(self._next(), resume) for resume in self._resumes]
         self._resumes.clear()
-        queues, inflight = self._queues, self._inflight
-        while len(inflight) < self.window and (not inflight or self._inflight_s < self.window_s):
-            ready = [t for t in queues if self._ready(t)]
-            if not ready:
-                break
-            tenant = ready[0] if len(ready) == 1 else min(
-                ready, key=lambda t: (self._pass[t] + self._owed.get(t, 0.0), t))
+        queues, inflight, costs = self._queues, self._inflight, self._cost
+        window, window_s = self.window, self.window_s
+        while len(inflight) < window and (not inflight or self._inflight_s < window_s):
+            if len(queues) == 1:  # one tenant with work: no one to choose between (the common case, kept cheap)
+                tenant = next(iter(queues))
+                if not self._ready(tenant):
+                    break
+            else:
+                ready = [t for t in queues if self._ready(t)]
+                if not ready:
+                    break
+                tenant = ready[0] if len(ready) == 1 else min(
+                    ready, key=lambda t: (self._pass[t] + self._owed.get(t, 0.0), t))
             queue = queues[tenant]
             item = queue.popleft()
             if not queue:
                 del queues[tenant]
-            entry = item.entry if isinstance(item, _Rest) else item
-            seq = self._next()
-            over_cap = self._over_cap and isinstance(item, Admitted) and item.counts
-            if over_cap and (tenant, item.template) in self._over_cap:
+            rest = type(item) is _Rest
+            entry = item.entry if rest else item
+            seq = self._seq
+            self._seq = seq + 1
+            if self._over_cap and not rest and item.counts and (tenant, item.template) in self._over_cap:
                 entry = self._refuse_over_cap(item)
             if not entry.counts:
                 released.append((seq, entry))
                 self._maybe_idle(tenant)
                 continue
-            cost = self._cost_of(item)
-            lo = item.lo if isinstance(item, _Rest) else 0
+            key = (tenant, entry.template)
+            cost = costs.get(key)
+            if cost is not None:
+                costs.move_to_end(key)
+            lo = item.lo if rest else 0
             n_ops = len(entry.template.ops) if entry.template is not None else 1
             part = self.first_part_ops if cost is None else max(1, int(self.part_s / max(cost, 1e-9)))
             hi = min(n_ops, lo + part)
-            if isinstance(item, _Rest):
+            if rest:
                 released.append((seq, Continue(item.seq, lo, hi)))
             else:
                 released.append((seq, entry if hi == n_ops else replace(entry, end=hi)))
                 self._fragments[tenant] = self._fragments.get(tenant, 0) + 1
             if hi < n_ops:  # the rest goes before the tenant's later messages
-                queues.setdefault(tenant, deque()).appendleft(_Rest(entry, item.seq if isinstance(item, _Rest) else seq,
-                                                                    hi))
+                queues.setdefault(tenant, deque()).appendleft(_Rest(entry, item.seq if rest else seq, hi))
             estimate = FIRST_ESTIMATE_S if cost is None else max(cost * (hi - lo), 1e-6)
-            owed = estimate / self._weight(tenant)
-            self._inflight[seq] = _Flight(tenant, estimate, owed, (tenant, entry.template), hi - lo, cost is None)
+            owed = estimate / self._weights.get(tenant, 1.0)
+            inflight[seq] = _Flight(tenant, estimate, owed, key, hi - lo, cost is None)
             self._inflight_s += estimate
             self._owed[tenant] = self._owed.get(tenant, 0.0) + owed
             self._flying[tenant] = self._flying.get(tenant, 0) + 1
@@ -313,17 +322,23 @@ class Scheduler:
         finished fragments: charge each to its tenant, all of it, learn its template's cost per op from the time it
         ran, compiling aside, and mark the template over its tenant's op_ms budget if one computation ran longer."""
         with self._lock:
+            second = int(time.monotonic())
+            caps: dict[str, int] = {}  # each tenant's op_ms budget, looked up once per report
             for seq, busy, *rest in reports:
                 flight = self._leave_window(seq) or self._blocked.pop(seq, None)
                 if flight is None:
                     continue
-                self._account(flight.tenant, busy)
-                self._pass[flight.tenant] += busy / self._weight(flight.tenant)
+                tenant = flight.tenant
+                self._account(tenant, busy, second)
+                self._pass[tenant] += busy / self._weights.get(tenant, 1.0)
                 ran = busy - (rest[0] if rest else 0.0)
                 if ran > 0:  # a run that only compiled says nothing of what the next will take
                     self._learn(flight.key, ran / max(flight.ops, 1))
                 longest = rest[1] if len(rest) > 1 else 0.0
-                if longest * 1e3 > self._op_cap_ms(flight.tenant):
+                cap = caps.get(tenant)
+                if cap is None:
+                    cap = caps[tenant] = self._op_cap_ms(tenant)
+                if longest * 1e3 > cap:
                     self._over_cap[flight.key] = max(longest, self._over_cap.pop(flight.key, 0.0))
                     while len(self._over_cap) > COSTS:
                         self._over_cap.popitem(last=False)
@@ -339,14 +354,16 @@ class Scheduler:
         while len(self._cost) > COSTS:
             self._cost.popitem(last=False)
 
-    def _account(self, tenant: str, seconds: float) -> None:
+    def _account(self, tenant: str, seconds: float, second: int | None = None) -> None:
         self._time[tenant] = self._time.get(tenant, 0.0) + seconds
-        second = int(time.monotonic())  # one bucket per second: bounded whatever a tenant's rate of fragments
-        if not self._recent or self._recent[-1][0] != second:
-            self._recent.append((second, {}))
-            while self._recent[0][0] < second - RECENT_S:
-                self._recent.popleft()
-        bucket = self._recent[-1][1]
+        if second is None:  # one bucket per second: bounded whatever a tenant's rate of fragments
+            second = int(time.monotonic())
+        recent = self._recent
+        if not recent or recent[-1][0] != second:
+            recent.append((second, {}))
+            while recent[0][0] < second - RECENT_S:
+                recent.popleft()
+        bucket = recent[-1][1]
         bucket[tenant] = bucket.get(tenant, 0.0) + seconds
 
     def blocked(self, seqs: list[int]) -> Released:

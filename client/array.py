@@ -25,7 +25,7 @@ from pathways.messages import Put
 from pathways.ops import Aval, SliceDesc, spec_of
 from pathways.protocol.connection import Connection
 from pathways.requests import Fetch, PutData
-from pathways.sharding import check_spec, device_indices, spec_to_wire
+from pathways.sharding import check_spec, device_indices, norm_spec, spec_to_wire
 
 
 class Array(LocalArrayMethods):
@@ -44,7 +44,7 @@ class Array(LocalArrayMethods):
     """
 
     __slots__ = ("id", "shape", "dtype", "slice", "spec", "islands", "weak_type", "epoch", "_key", "_session",
-                 "_value", "_local", "_refs", "_donated", "__weakref__")
+                 "_value", "_local", "_refs", "_donated", "_signature", "__weakref__")
 
     def __init__(self, session: Session, buffer_id: int, shape: tuple[int, ...], dtype: Any,
                  slice: VirtualSlice, spec: P, islands: frozenset[int], *,  # noqa: A002
@@ -64,6 +64,24 @@ class Array(LocalArrayMethods):
         self._local: jax.Array | None = None  # the value as a local jax.Array, once JAX code in the client used it
         self._refs: list | None = None  # fetch requests already sent (copy_to_host_async)
         self._donated: str | None = None  # the function it was donated to
+        self._signature: object | None = None  # ``signature``, once asked
+
+    @property
+    def signature(self) -> object:
+        """What a traced program depends on about this argument (shape, dtype, weak type, slice and spec), as one
+        token: equal for every array that traces the same, so an op-by-op call's trace is found by identity."""
+        token = self._signature
+        if token is None:
+            token = self._signature = signature_token(("array", self.shape, self.dtype, self.weak_type, self.slice.key,
+                                                       norm_spec(self.spec)))
+        return token
+
+    def usable(self) -> bool:
+        """Whether it can be an argument at once, without ``check_usable`` asking anything: not donated, its
+        session open and its island not failed since it was made, its slice not released."""
+        session = self._session
+        return (self._donated is None and not session.closed and not self.slice.released
+                and not session.dead and (self._value is not None or session.epoch(self.slice.island) == self.epoch))
 
     # -- what is known without the value ----------------------------------------------------------
     @property
@@ -359,6 +377,20 @@ def owned_regions(shape: tuple[int, ...], desc: SliceDesc, spec: P) -> dict[int,
     for (host, _), index in zip(desc.devices, device_indices(shape, desc, spec)):
         out.setdefault(host, set()).add(index)
     return out
+
+
+_SIGNATURES: dict[tuple, object] = {}
+MAX_SIGNATURES = 4096
+
+
+def signature_token(signature: tuple) -> object:
+    """One object per distinct argument signature (``Array.signature``)."""
+    token = _SIGNATURES.get(signature)
+    if token is None:
+        if len(_SIGNATURES) >= MAX_SIGNATURES:
+            _SIGNATURES.clear()  # tokens already handed out stay valid: a later equal signature only misses once
+        token = _SIGNATURES[signature] = object()
+    return token
 
 
 def check_usable(value: Array, what: str) -> None:

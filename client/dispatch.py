@@ -23,13 +23,13 @@ import jax
 
 from client.array import Array, check_usable, put_host
 from client.host_values import HostData, as_host_data
-from client.lowering import lower, placement_of
+from client.lowering import lower
 from client.session import Session, current
-from client.tracer import Placement, Traced, norm_spec
+from client.tracer import Placement, Traced
 from pathways.graph import Program
 from pathways.messages import Call
 from pathways.ops import check_fits, spec_of
-from pathways.sharding import spec_to_wire
+from pathways.sharding import norm_spec, spec_to_wire
 
 
 class Placements:
@@ -123,11 +123,11 @@ def _inputs(session: Session, traced: Traced, leaves: list) -> list[Array]:
             value = leaves[index] if kind == "arg" else None
             host = traced.constants[index] if kind == "const" else None
             what = f"{traced.program.name}: " + (f"argument {index}" if kind == "arg" else "a constant")
-            inputs.append(cache.place(session, source, value, host, k not in returned, what))
+            placed = cache.place(session, source, value, host, k not in returned, what)
+            check_usable(placed, f"{traced.program.name} got")
+            inputs.append(placed)
         else:
-            inputs.append(leaves[source[1]])
-    for a in inputs:
-        check_usable(a, f"{traced.program.name} got")
+            inputs.append(leaves[source[1]])  # checked with the call's signature (``ProgramFunction._signature``)
     return inputs
 
 
@@ -154,7 +154,7 @@ def _send(session: Session, traced: Traced, leaves: list) -> Any:
     program = traced.program
     inputs = _inputs(session, traced, leaves)
     lowered = traced.lowered
-    if lowered is None or lowered.placement != placement_of(program):
+    if lowered is None or not lowered.still_placed():
         start = time.time()
         check_sizes(program, session)
         lowered = traced.lowered = lower(program, traced.exes)
@@ -162,19 +162,20 @@ def _send(session: Session, traced: Traced, leaves: list) -> Any:
                             fragments=len(lowered.fragments))
     start = time.time() if session.events.enabled else 0.0
     base = session.mint(lowered.n_values)
-    input_ids = [a.id for a in inputs]
+    input_ids = tuple([a.id for a in inputs])
     for island, fragment in lowered.fragments.items():
         sent = session.sent_exes[island]
-        exes = {h: b for h, b in fragment.exes.items() if h not in sent}
-        payload = Call(fragment.encoded, base, tuple(input_ids), exes, tuple(session.frees.take(island))).encode()
+        exes = {h: b for h, b in fragment.exes.items() if h not in sent} if fragment.exes.keys() - sent else {}
+        payload = Call(fragment.encoded, base, input_ids, exes, tuple(session.frees.take(island))).encode()
         session.submit(island, payload)
-        sent.update(exes)
+        if exes:
+            sent.update(exes)
     for index, to in traced.donated.items():  # after the call is on its way: the free must follow it
         inputs[index]._donate(to)
     if session.events.enabled:
         session.events.span(f"dispatch {program.name}", "dispatch", start, time.time(),
                             islands=sorted(lowered.fragments), base=base)
-    lineage = frozenset(program.islands).union(*(a.islands for a in inputs))
+    lineage = lowered.islands.union(*[a.islands for a in inputs])
     outputs = []
     for value, (key, weak) in zip(program.outputs, traced.out_meta):
         if value.slot < lowered.n_inputs:

@@ -76,6 +76,9 @@ def _infer(sig: inspect.Signature | None, nums: tuple[int, ...], names: tuple[st
     return tuple(i for i, k in params if k in names), names
 
 
+_NO_STATICS: dict[int, Statics] = {}  # a call of n positional arguments, none static: one object per n
+
+
 @dataclass(frozen=True, eq=False)
 class Statics:
     """The static arguments of one call and where they go; hashable and equal by value (with types, as jax.jit
@@ -169,7 +172,10 @@ class CompiledFunction:
         static_pos = {i % n: args[i] for i in self.static_argnums if -n <= i < n}  # negative: from the end
         static_kw = {k: v for k, v in kwargs.items() if k in self.static_argnames} if kwargs else {}
         if not static_pos and not static_kw:
-            return Statics(n, {}, {}, (n, (), ())), list(range(n)), args, kwargs
+            statics = _NO_STATICS.get(n)
+            if statics is None:
+                statics = _NO_STATICS[n] = Statics(n, {}, {}, (n, (), ()))
+            return statics, list(range(n)), args, kwargs
         dyn_pos = [i for i in range(n) if i not in static_pos]
         dyn_kwargs = {k: v for k, v in kwargs.items() if k not in static_kw}
         key = (n, tuple((i, type(v), v) for i, v in sorted(static_pos.items())),

@@ -11,6 +11,7 @@ until the slice placement changes.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 from pathways.graph import Compute, Program, Transfer, Value
 from pathways.ops import Exec, Op, Recv, Reshard, Route, Send, SliceDesc, Template, spec_of
@@ -34,18 +35,30 @@ class Fragment:
 
 @dataclass(frozen=True)
 class Lowered:
-    """A lowered program: its value counts, one fragment per island, and the placement it was lowered for."""
+    """A lowered program: its value counts, one fragment per island, the placement it was lowered for, its
+    slices (in the placement's order) and the islands its values live on."""
 
     n_inputs: int
     n_values: int
     fragments: dict[int, Fragment]
     placement: tuple
+    slices: tuple = ()
+    islands: frozenset[int] = frozenset()
+
+    def still_placed(self) -> bool:
+        """Whether every slice is where it was when this was lowered (a restart or a rejoin may move one): what
+        each call checks before it sends these fragments."""
+        return all((s.island, s.devices) == (island, devices)
+                   for s, (_, island, devices) in zip(self.slices, self.placement))
 
 
 def placement_of(program: Program) -> tuple:
     """What lowering depends on: every slice's island and devices."""
-    slices = {v.slice.key: v.slice for v in program.values}
-    return tuple(sorted((k, s.island, s.devices) for k, s in slices.items()))
+    return tuple((k, s.island, s.devices) for k, s in _slices(program))
+
+
+def _slices(program: Program) -> list[tuple[str, Any]]:
+    return sorted({v.slice.key: v.slice for v in program.values}.items(), key=lambda kv: kv[0])
 
 
 def _same_host(a: Value, b: Value) -> bool:
@@ -105,7 +118,8 @@ def lower(program: Program, exes: dict[str, bytes]) -> Lowered:
         template = Template(program.name, n_inputs, len(program.values), slices.get(island, {}),
                             tuple(with_frees(placed, keep)))
         fragments[island] = Fragment(island, template, template.encode(), used_exes.get(island, {}))
-    return Lowered(n_inputs, len(program.values), fragments, placement_of(program))
+    return Lowered(n_inputs, len(program.values), fragments, placement_of(program),
+                   tuple(s for _, s in _slices(program)), program.islands)
 
 
 def with_frees(ops: list[Op], keep: set[int]) -> list[Op]:

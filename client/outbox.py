@@ -8,6 +8,11 @@ for the oldest answer together with whatever else the client dispatches meanwhil
 batch. A client dispatching faster than the host absorbs pays one frame per batch instead of one per message,
 and so does the host, which every client of the island shares.
 
+The caller does not wait for answers to keep the host fed: a held run of ``BATCH`` messages goes as one batch
+even while the window is full (up to ``MAX_UNANSWERED`` unanswered batches). Answers are read by the link's
+own thread, which a caller dispatching in a tight loop holds off the interpreter for up to its switch interval
+(5 ms); waiting for them would leave the host idle that long, then hand it hundreds of messages at once.
+
 While the cluster is suspended an outbox holds what it is given: a batch the host answered "suspended" (or
 that was under way when the islands stopped) is kept, and once the cluster resumes the outbox sends again from
 the message the island's host 0 says it takes next (``resume``), so no message is lost or taken twice.
@@ -26,7 +31,9 @@ from client.link import LinkClosed
 from pathways.errors import ClusterSuspendedError, PathwaysError
 from pathways.requests import Batch
 
-WINDOW = 2  # batches sent and not answered yet, per island
+WINDOW = 2  # batches sent and not answered yet, per island, before messages are held
+BATCH = 32  # held messages that go as one batch while the window is full
+MAX_UNANSWERED = 16  # unanswered batches per island beyond which messages are held, however many
 log = logging.getLogger(__name__)
 
 
@@ -45,10 +52,15 @@ class Outbox:
         self.failed: str | None = None
 
     def put(self, payload: bytes) -> None:
-        """Queue one message and send what the window allows (on this thread)."""
+        """Queue one message and send what the window allows (on this thread: if another thread is sending, this
+        one waits for it rather than leave its message to a thread that may not run for a while)."""
         with self._lock:
             self._held.append(payload)
-        self.flush()
+            if self.paused or self._window_full():
+                return  # it goes with a later put, or when an answer frees the window (``Outboxes``' thread)
+        with self._sending:
+            while self._send_one():
+                pass
 
     def flush(self) -> None:
         """Send what is held, as the window allows."""
@@ -71,7 +83,8 @@ class Outbox:
             if isinstance(exc, ClusterSuspendedError) or (isinstance(exc, LinkClosed) and self.paused):
                 self._unsent.append((first, batch))
                 self.paused = True
-        return len(self._answers) >= self._window
+        unanswered = len(self._answers)
+        return unanswered >= self._window and (len(self._held) < BATCH or unanswered >= MAX_UNANSWERED)
 
     def _send_one(self) -> bool:
         with self._lock:

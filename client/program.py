@@ -33,13 +33,12 @@ from client.tracer import (
     arg_path,
     current_trace,
     enter,
-    norm_spec,
     user_line,
     user_stacklevel,
 )
 from pathways.errors import ProgramError
 from pathways.graph import Program
-from pathways.sharding import check_spec
+from pathways.sharding import check_spec, norm_spec
 
 _recent: dict[str, Program] = {}  # each program name's latest graph, for `pathways graph` after a script ran
 TRACE_CACHE_SIZE = 64  # traced signatures a program keeps; the least recently used goes first
@@ -69,6 +68,7 @@ class ProgramFunction:
         self.name = name or getattr(fn, "__name__", "program")
         self.op_by_op = op_by_op
         self._cache: OrderedDict[Any, Traced] = OrderedDict()
+        self._by_token: dict[tuple, Traced] = {}  # op-by-op calls of pw.Arrays: (statics, argument tokens) -> trace
         self._last: Traced | None = None
         self._scalars: dict[int, set] = {}  # leaf position -> Python-scalar values traced there (a few)
         self._warned = False
@@ -128,6 +128,11 @@ class ProgramFunction:
                       [(leaf.key, leaf.weak_type) for leaf in out_leaves])
 
     def _traced(self, args: tuple, kwargs: dict[str, Any]) -> tuple[Traced, list]:
+        tokens = self._tokens(args) if self.op_by_op and not kwargs else None
+        if tokens is not None:
+            traced = self._by_token.get(tokens)
+            if traced is not None:
+                return traced, list(args)  # an op-by-op call's leaves: its statics, then its arrays
         leaves, treedef, key = self._signature(args, kwargs)
         traced = self._cache.get(key)
         if traced is None:
@@ -143,7 +148,23 @@ class ProgramFunction:
                                   nodes=len(traced.program.nodes))
         else:
             self._cache.move_to_end(key)
+        if tokens is not None:
+            if len(self._by_token) >= TRACE_CACHE_SIZE:
+                self._by_token.clear()
+            self._by_token[tokens] = traced
         return traced, leaves
+
+    def _tokens(self, args: tuple) -> tuple | None:
+        """An op-by-op call's trace key when its arguments (after the statics) are distinct, usable pw.Arrays: the
+        statics and each array's ``signature`` token, found without flattening anything. None otherwise."""
+        tokens = [args[0]]
+        for arg in args[1:]:
+            if type(arg) is not Array or not arg.usable():
+                return None  # host values, or an array check_usable must explain: the general path
+            tokens.append(arg.signature)
+        if len(args) > 2 and len({a.id for a in args[1:]}) != len(args) - 1:
+            return None  # the same array twice is one input of the trace
+        return tuple(tokens)
 
     def _count_scalars(self, leaves: list, args: tuple, kwargs: dict[str, Any]) -> None:
         """Before a new trace: warn (once) if a Python-scalar argument keeps changing, which retraces the

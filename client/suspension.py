@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 from pathways.errors import ClusterSuspendedError
 
@@ -32,30 +30,31 @@ class Gate:
         """Whether the cluster runs (as far as this client knows)."""
         return self.phase == RUNNING
 
-    @contextmanager
-    def sending(self, timeout: float, what: str) -> Iterator[None]:
-        """Hold the gate open for one call (``what``), waiting at most ``timeout`` seconds for a suspended
-        cluster to resume. Within a call that holds it already, it passes at once."""
-        depth = getattr(self._mine, "depth", 0)
+    def sending(self, timeout: float, what: str) -> _Sending:
+        """Hold the gate open for one call (``what``, in a ``with``), waiting at most ``timeout`` seconds for a
+        suspended cluster to resume. Within a call that holds it already, it passes at once."""
+        return _Sending(self, timeout, what)
+
+    def _enter(self, timeout: float, what: str) -> None:
+        mine = self._mine
+        depth = getattr(mine, "depth", 0)
         if depth:
-            self._mine.depth = depth + 1
-            try:
-                yield
-            finally:
-                self._mine.depth = depth
+            mine.depth = depth + 1
             return
         with self._cond:
             self._wait_open(timeout, what)
             self._sending += 1
-        self._mine.depth = 1
-        try:
-            yield
-        finally:
-            self._mine.depth = 0
-            with self._cond:
-                self._sending -= 1
-                if self.phase != RUNNING:  # ``close`` waits for the calls sending now
-                    self._cond.notify_all()
+        mine.depth = 1
+
+    def _leave(self) -> None:
+        mine = self._mine
+        mine.depth -= 1
+        if mine.depth:
+            return
+        with self._cond:
+            self._sending -= 1
+            if self.phase != RUNNING:  # ``close`` waits for the calls sending now
+                self._cond.notify_all()
 
     def wait_open(self, timeout: float, what: str) -> None:
         """Return once the cluster runs; ClusterSuspendedError after ``timeout`` seconds."""
@@ -88,6 +87,21 @@ class Gate:
         with self._cond:
             self.phase = RUNNING
             self._cond.notify_all()
+
+
+class _Sending:
+    """One call holding the gate open (``Gate.sending``): a plain object, since one is made per call."""
+
+    __slots__ = ("_gate", "_timeout", "_what")
+
+    def __init__(self, gate: Gate, timeout: float, what: str) -> None:
+        self._gate, self._timeout, self._what = gate, timeout, what
+
+    def __enter__(self) -> None:
+        self._gate._enter(self._timeout, self._what)
+
+    def __exit__(self, *exc: object) -> None:
+        self._gate._leave()
 
 
 def suspended_error(what: str, phase: str, waited: float | None = None) -> ClusterSuspendedError:

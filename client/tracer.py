@@ -33,7 +33,7 @@ from client.host_values import (
 )
 from pathways.errors import ProgramError
 from pathways.graph import Compute, Program, Transfer, Value
-from pathways.sharding import spec_to_wire
+from pathways.sharding import norm_spec
 
 _trace: contextvars.ContextVar[Trace | None] = contextvars.ContextVar("pathways_trace", default=None)
 _OWN_DIRS = tuple(os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep + d + os.sep
@@ -74,22 +74,6 @@ def user_stacklevel() -> int:
     while frame is not None and frame.f_code.co_filename.startswith(_OWN_DIRS):
         frame, level = frame.f_back, level + 1
     return level
-
-
-def norm_spec(spec: P) -> tuple:
-    """A PartitionSpec as a hashable tuple without trailing None entries, so equal shardings compare equal."""
-    try:
-        return _norm_spec(spec)  # every argument of every call: specs repeat
-    except TypeError:  # an unhashable entry (a list): spec_to_wire says what is wrong with it, or takes it
-        return _norm_spec.__wrapped__(spec)
-
-
-@functools.lru_cache(maxsize=4096)
-def _norm_spec(spec: P) -> tuple:
-    entries = spec_to_wire(spec)
-    while entries and entries[-1] is None:
-        entries.pop()
-    return tuple(tuple(e) if isinstance(e, list) else e for e in entries)
 
 
 class InTrace:

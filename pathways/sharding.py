@@ -7,6 +7,7 @@ assemble what they receive.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -143,3 +144,19 @@ def plan_transfer(shape: Sequence[int], src: Any, src_spec: P, dst: Any, dst_spe
 def dtype_from_wire(name: str) -> np.dtype:
     """A dtype from its wire name, including JAX's extended ones (bfloat16, float8_*)."""
     return np.dtype(jnp.dtype(name))
+
+
+def norm_spec(spec: P) -> tuple:
+    """A PartitionSpec as a hashable tuple without trailing None entries, so equal shardings compare equal."""
+    try:
+        return _norm_spec(spec)  # every argument of every call: specs repeat
+    except TypeError:  # an unhashable entry (a list): spec_to_wire says what is wrong with it, or takes it
+        return _norm_spec.__wrapped__(spec)
+
+
+@functools.lru_cache(maxsize=4096)
+def _norm_spec(spec: P) -> tuple:
+    entries = spec_to_wire(spec)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return tuple(tuple(e) if isinstance(e, list) else e for e in entries)

@@ -555,21 +555,22 @@ class TemplateCache:
             before_decode: Callable[[bytes], None] | None = None) -> Template:
         """The checked template ``blob`` encodes, decoded on first sight (after ``before_decode``, a cheap check
         that may refuse it first); raises the error it failed with, every time."""
+        template = self.cached(blob, tenant)
+        if template is not None:
+            return template
+        if before_decode is not None:
+            before_decode(blob)
+        try:
+            template = Template.decode(blob)
+            if self._check is not None:
+                self._check(template)
+        except (ProgramError, ResourceError, WireFormatError) as exc:
+            template = exc
         cache = self._decoded.setdefault(tenant, {})
-        template = cache.get(blob)
-        if template is None:
-            if before_decode is not None:
-                before_decode(blob)
-            try:
-                template = Template.decode(blob)
-                if self._check is not None:
-                    self._check(template)
-            except (ProgramError, ResourceError, WireFormatError) as exc:
-                template = exc
-            limit = max(1, self._size if per_tenant is None else per_tenant)
-            while len(cache) >= limit:
-                cache.pop(next(iter(cache)))
-            cache[blob] = template
+        limit = max(1, self._size if per_tenant is None else per_tenant)
+        while len(cache) >= limit:
+            cache.pop(next(iter(cache)))
+        cache[blob] = template
         if isinstance(template, Exception):
             raise type(template)(str(template))
         return template

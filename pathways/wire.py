@@ -77,7 +77,7 @@ def declare(kind: str, schema: dict[str, Any]) -> Callable[[type[T]], type[T]]:
             """The message's wire bytes."""
             values = [getattr(self, n) for n in names]
             _validate(values, checker, kind)
-            return msgpack.packb([VERSION, kind, *values], use_bin_type=True)
+            return pack(kind, *values)
 
         cls.KIND = kind  # type: ignore[attr-defined]
         cls.encode = encode_message  # type: ignore[attr-defined]

@@ -465,6 +465,11 @@ class Template:
         """The content hashes of the executables its ops run (what an island checks a tenant has sent)."""
         return frozenset(op.exe for op in self.ops if isinstance(op, Exec))
 
+    @functools.cached_property
+    def receives(self) -> bool:
+        """Whether an op of it receives a value from another island (such a fragment may park on the way)."""
+        return any(isinstance(op, Recv) for op in self.ops)
+
     def slice(self, key: str, what: str) -> SliceDesc:
         """The fragment's slice ``key``; ProgramError (prefixed by ``what``) when the fragment has none by that name."""
         desc = self.slices.get(key)

@@ -20,7 +20,7 @@ from resource_manager.host.buffers import Failure
 from resource_manager.host.devices import LocalDevices
 from resource_manager.host.executor import Report
 from resource_manager.host.run import Run
-from resource_manager.host.scheduler import Continue
+from resource_manager.host.scheduler import Continue, Group
 from resource_manager.host.transport.peers import Peers
 
 DESC = SliceDesc("s1", (2,), ("x",), ((0, 0), (0, 1)))
@@ -230,6 +230,39 @@ def test_a_long_fragment_in_parts_lets_another_run_go_between_them(strict):
         time.sleep(0.02)
     assert sorted(d[0] for r in host.reports for d in r.done) == [0, 1, 2, 3]  # each part reports, in its place
     host.executor.stop()
+
+
+def test_a_group_runs_each_call_as_if_alone_and_reports_done_once(host):
+    """A group (calls of one program sharing one place in the order) runs each call with its own ids; a call's frees
+    apply only after the calls before it counted what they read, and the group is reported done once, with the
+    island time of all its calls."""
+    inbox = host.parts.inbox
+    inc = host.function(lambda v: v + 1.0, 1)
+    template = one(inc, "inc")
+    host.value(100, np.zeros(4, np.float32))
+    base = 1 << CLIENT_ID_BITS
+    entries, reads = [], [100]
+    for k in range(4):  # each call frees what the call before it reads, as a client's loop ``v = f(v)`` does
+        call = Call(template.encode(), base + 2 * k, (reads[-1],), {}, (reads[-2],) if k else ())
+        entries.append(Admitted(1, TENANT, call.encode(), call, template))
+        reads.append(base + 2 * k + 1)
+    inbox.accept([(0, Group(tuple(entries)))])
+    np.testing.assert_allclose(host.fetch(reads[-1]), 4.0)
+    deadline = time.monotonic() + 10
+    while not any(r.done for r in host.reports) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.1)
+    done = [d for r in host.reports for d in r.done]
+    assert len(done) == 1 and done[0][0] == 0 and done[0][1] > 0
+    assert all(i not in host.table for i in reads[:3])  # freed once read
+    other = Host()  # another host of the island gets the group as host 0's rows, and runs it the same
+    try:
+        other.exes.add(TENANT, inc, host.exes._bytes[inc])
+        other.value(100, np.zeros(4, np.float32))
+        other.parts.inbox.accept_rows([(0, "group", [entry.row() for entry in entries])])
+        np.testing.assert_allclose(other.fetch(reads[-1]), 4.0)
+    finally:
+        other.executor.stop()
 
 
 def test_a_call_or_part_that_cannot_run_here_is_still_reported_done(host):

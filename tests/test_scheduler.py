@@ -12,10 +12,10 @@ from collections.abc import Callable
 import pytest
 
 from pathways.messages import CLIENT_ID_BITS, Call
-from pathways.ops import Exec, Template
+from pathways.ops import Aval, Exec, Recv, Template
 from resource_manager.host.admission import Admitted
 from resource_manager.host.buffers import Failure
-from resource_manager.host.scheduler import Continue, Resume, Scheduler
+from resource_manager.host.scheduler import Continue, Group, Resume, Scheduler
 
 
 def template(name: str = "p", ops: int = 1) -> Template:
@@ -83,7 +83,9 @@ class Island:
 
     def step(self) -> None:
         seq, item = self.pending.popleft()
-        if isinstance(item, Continue):
+        if isinstance(item, Group):
+            entry, ops = item.entries[0], sum(len(e.template.ops) for e in item.entries)
+        elif isinstance(item, Continue):
             entry, ops = self.first[item.seq], item.hi - item.lo
             self.continued.append(item)
         else:
@@ -314,6 +316,51 @@ def test_a_long_fragment_runs_in_parts_each_with_its_own_place_in_the_order():
     assert all(hi - lo == 100 for lo, hi in spans[1:])  # measured at 0.1 ms per op: parts of 10 ms
     small = [start for start, _, tenant, _ in island.log if tenant == "small"]
     assert small[0] < 0.011 and small[1] < 0.05  # neither waited for the whole 0.1 s program
+
+
+def calls_of(released) -> list[Admitted]:
+    """The calls released, a group's each in its order."""
+    return [entry for _, item in released for entry in (item.entries if isinstance(item, Group) else (item,))]
+
+
+def test_calls_of_one_program_queued_back_to_back_share_one_place_in_the_order():
+    scheduler = Scheduler(0, 1, window=20, window_s=10.0, eager=100, part_s=1.0, group=8)
+    measured(scheduler, {"a": 1})
+    released = scheduler.queue([admitted(1, "a", k) for k in range(30)])
+    assert [len(item.entries) for _, item in released] == [8, 8, 4]  # the window counts each call
+    assert seqs(released) == [1, 2, 3]
+    assert [c.request.base for c in calls_of(released)] == [(1 << CLIENT_ID_BITS) + k for k in range(20)]
+    assert scheduler.stats()["inflight"] == 20 and scheduler.stats()["fragments"]["a"] == 21
+    more = scheduler.completed([[1, 8e-3]])  # one group done: its 8 calls leave the window
+    assert seqs(more) == [4] and len(more[0][1].entries) == 8
+    assert scheduler.stats()["tenant_time_s"]["a"] == pytest.approx(9e-3)
+
+
+def test_a_group_stays_within_one_part_and_never_mixes_programs_or_unmeasured_calls():
+    scheduler = Scheduler(0, 1, window=64, window_s=10.0, eager=100, part_s=0.0035, group=32)
+    other = template("other")
+    measured(scheduler, {"a": 1})  # ONE: 1 ms per call, so a part of 3.5 ms holds 3 calls
+    released = scheduler.queue([admitted(1, "a", k) for k in range(5)] + [admitted(1, "a", 5, other)]
+                               + [admitted(1, "a", k) for k in range(6, 8)])
+    assert [len(item.entries) if isinstance(item, Group) else 1 for _, item in released] == [3, 2, 1, 2]
+    assert released[2][1].template is other  # never measured: alone
+    receives = Template("recv", 0, 1, {}, (Recv(0, "s", ((),), Aval((4,), "float32"), 1, ()),))
+    scheduler = Scheduler(0, 1, window=64, window_s=10.0, eager=100, group=32)
+    measured(scheduler, {"a": 1}, fragment=receives)
+    released = scheduler.queue([admitted(1, "a", k, receives) for k in range(4)])
+    assert seqs(released) == [1, 2, 3, 4]  # a fragment that may park is never grouped
+
+
+def test_grouped_calls_share_the_island_by_weight():
+    scheduler = Scheduler(0, 1, group=32)
+    measured(scheduler, {"light": 1, "heavy": 2}, busy=1e-4)
+    scheduler.set_weight("heavy", 3.0)
+    island = Island(scheduler, lambda tenant, _: 1e-4)
+    island.queue([admitted(1, "light", k) for k in range(20000)])
+    island.queue([admitted(2, "heavy", k) for k in range(20000)])
+    island.run(1.0)
+    assert island.time("heavy", 0.1, 1.0) / island.time("light", 0.1, 1.0) == pytest.approx(3.0, rel=0.1)
+    assert max(end - start for start, end, _, _ in island.log) <= scheduler.part_s + 1e-9
 
 
 def test_admission_work_is_charged_to_the_tenant_that_caused_it():

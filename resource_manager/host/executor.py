@@ -192,7 +192,11 @@ class Executor:
         with self._cond:
             self.runs.remove(run)
             self.completed += 1
-        self._report.done.append([run.seq, run.busy_s, run.compile_s, run.longest_s])
+        tally = run.tally
+        if tally is None:
+            self._report.done.append([run.seq, run.busy_s, run.compile_s, run.longest_s])
+        elif tally.add(run):  # the last of its group: the group's place in the order is done
+            self._report.done.append([run.seq, tally.busy_s, tally.compile_s, tally.longest_s])
         if self.events.enabled:
             self.events.span(f"seq {run.seq}: {run.label}", "fragment", run.admitted, time.time(), seq=run.seq,
                              tenant=run.tenant, program=run.label, ops=len(run.ops), busy_ms=round(run.busy_s * 1e3, 3))

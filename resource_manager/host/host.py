@@ -42,7 +42,7 @@ from pathways.ops import Limits
 from resource_manager.host import wiring
 from resource_manager.host.admission import Admitted
 from resource_manager.host.grants import Session
-from resource_manager.host.scheduler import NAMED, Continue, Released, Resume
+from resource_manager.host.scheduler import NAMED, Continue, Group, Released, Resume
 
 MAINTENANCE_S = 0.5
 log = logging.getLogger(__name__)
@@ -57,8 +57,12 @@ def runtime_parts(rows: list) -> list:
         if kind in ("resume", "part"):
             parts += list(rest)
             continue
-        client, tenant, payload, refusal, lo, hi, end = rest[0]
-        parts += [client, tenant, payload, *(refusal or ()), lo, hi, -1 if end is None else end]
+        messages = rest[0] if kind == "group" else rest
+        if kind == "group":  # the count too: no other reading of the same fields signs the same
+            parts.append(len(messages))
+        for message in messages:
+            client, tenant, payload, refusal, lo, hi, end = message
+            parts += [client, tenant, payload, *(refusal or ()), lo, hi, -1 if end is None else end]
     return parts
 
 
@@ -199,6 +203,7 @@ class Host:
         if self.n_hosts > 1:
             rows = [(seq, "resume", item.seq, item.pc) if isinstance(item, Resume)
                     else (seq, "part", item.seq, item.lo, item.hi) if isinstance(item, Continue)
+                    else (seq, "group", [entry.row() for entry in item.entries]) if isinstance(item, Group)
                     else (seq, "msg", item.row()) for seq, item in released]
             parts = runtime_parts(rows)
             for h in range(1, self.n_hosts):

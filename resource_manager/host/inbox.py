@@ -22,8 +22,8 @@ from resource_manager.host.admission import Admitted
 from resource_manager.host.buffers import BufferTable, Failure
 from resource_manager.host.executables import ExecutableCache
 from resource_manager.host.executor import Executor
-from resource_manager.host.run import Place, Run
-from resource_manager.host.scheduler import Continue, Item, Resume
+from resource_manager.host.run import Place, Run, Tally
+from resource_manager.host.scheduler import Continue, Group, Item, Resume
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +51,8 @@ class Inbox:
             self._admit_ready()
 
     def accept_rows(self, rows: list) -> None:
-        """Sequenced rows from host 0: ``(seq, "resume", run seq, pc)``, ``(seq, "part", first seq, lo, hi)`` or
-        ``(seq, "msg", row)``."""
+        """Sequenced rows from host 0: ``(seq, "resume", run seq, pc)``, ``(seq, "part", first seq, lo, hi)``,
+        ``(seq, "group", [row, ...])`` or ``(seq, "msg", row)``."""
         items = []
         for row in rows:
             try:
@@ -61,6 +61,8 @@ class Inbox:
                     items.append((seq, Resume(*rest)))
                 elif kind == "part":
                     items.append((seq, Continue(*rest)))
+                elif kind == "group":
+                    items.append((seq, Group(tuple(self._from_row(message) for message in rest[0]))))
                 else:
                     items.append((seq, self._from_row(*rest)))
             except Exception as exc:  # host 0 is trusted, so this is a bug: say it, keep the order moving
@@ -89,12 +91,24 @@ class Inbox:
             except Exception:  # never leave the order stuck behind one item
                 log.exception("island %d host %d: admitting sequence %d failed", self.island, self.host,
                               self._next_seq)
-                if isinstance(item, Continue) or isinstance(item, Admitted) and item.counts:
+                if isinstance(item, (Continue, Group)) or isinstance(item, Admitted) and item.counts:
                     self._ran_nothing(self._next_seq)
             self._next_seq += 1
         self._gap_since = (self._gap_since or time.monotonic()) if self._pending else None
 
     def _admit(self, seq: int, item: Item) -> None:
+        if type(item) is Group:  # each call admitted before the next one's frees apply, as if alone
+            tally = Tally(len(item.entries))
+            for entry in item.entries:
+                run = self._call(seq, entry)
+                if run is None:
+                    tally.left -= 1
+                    continue
+                run.tally = tally
+                self.executor.admit(run)
+            if tally.left == 0:
+                self._ran_nothing(seq)
+            return
         if isinstance(item, Resume):
             self.executor.resume(item.seq, item.pc)
             return
@@ -108,10 +122,7 @@ class Inbox:
             self.executor.admit(first.part(seq, item.lo, item.hi))
             return
         if item.refusal is not None:
-            if item.fail_hi > item.fail_lo:
-                self.table.fail_range(item.fail_lo, item.fail_hi, item.tenant, item.refusal)
-            if isinstance(item.request, Call):  # the arrays it frees were dropped all the same
-                self.table.free([i for i in item.request.frees if client_of(i) == item.client], item.tenant)
+            self._refuse(item)
             return
         request = item.request
         if isinstance(request, Free):
@@ -122,6 +133,21 @@ class Inbox:
         if isinstance(request, Put):
             self.executor.admit(self._put_run(seq, item, request))
             return
+        run = self._call(seq, item)
+        if run is None:
+            self._ran_nothing(seq)
+            return
+        if run.end < len(run.ops):
+            self._split[seq] = run
+        self.executor.admit(run)
+
+    def _call(self, seq: int, item: Admitted) -> Run | None:
+        """The run a checked call (or, on a host past 0, a refused one) becomes; None if it runs nothing here
+        (refused, or an executable it carries is refused: its outputs say why)."""
+        if item.refusal is not None:
+            self._refuse(item)
+            return None
+        request = item.request
         if request.exes:
             try:
                 for exe_hash, blob in request.exes.items():
@@ -130,16 +156,19 @@ class Inbox:
                 template = item.template
                 self.table.fail_range(request.base, request.base + template.n_values, item.tenant,
                                       Failure(*to_wire(exc)))
-                self._ran_nothing(seq)
-                return
+                return None
         if request.frees:
             self.table.free(request.frees, item.tenant)
         template = item.template
-        run = Run(seq, item.tenant, item.client, template.program, template.ops, template, template.n_inputs,
-                  request.base, request.inputs, end=-1 if item.end is None else item.end)
-        if run.end < len(run.ops):
-            self._split[seq] = run
-        self.executor.admit(run)
+        return Run(seq, item.tenant, item.client, template.program, template.ops, template, template.n_inputs,
+                   request.base, request.inputs, end=-1 if item.end is None else item.end)
+
+    def _refuse(self, item: Admitted) -> None:
+        """A refused message: its outputs fail with the reason, and the arrays it frees are dropped all the same."""
+        if item.fail_hi > item.fail_lo:
+            self.table.fail_range(item.fail_lo, item.fail_hi, item.tenant, item.refusal)
+        if isinstance(item.request, Call):
+            self.table.free([i for i in item.request.frees if client_of(i) == item.client], item.tenant)
 
     def _ran_nothing(self, seq: int) -> None:
         """A call (or part) in place ``seq`` that will not run here: an empty run, so that its completion is

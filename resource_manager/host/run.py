@@ -25,6 +25,25 @@ class Place(Op):
         return (0,)
 
 
+@dataclass(eq=False, slots=True)
+class Tally:
+    """The runs of one group (the scheduler's ``Group``: one place in the order) not finished yet, and what the
+    finished ones took: their completion is reported once, as the group's."""
+
+    left: int
+    busy_s: float = 0.0
+    compile_s: float = 0.0
+    longest_s: float = 0.0
+
+    def add(self, run: Run) -> bool:
+        """Count ``run`` finished; True once every run of the group has."""
+        self.left -= 1
+        self.busy_s += run.busy_s
+        self.compile_s += run.compile_s
+        self.longest_s = max(self.longest_s, run.longest_s)
+        return self.left == 0
+
+
 @dataclass(eq=False, slots=True)  # one per call: slots keep making it cheap
 class Run:
     """An admitted message's ops, in order; ``pc`` is the next one and ``end`` the one it stops before (a part of
@@ -50,6 +69,7 @@ class Run:
     resumed_at: int = -1  # the recv op this run was resumed at (multi-host islands): its data will not wait
     end: int = -1
     fragment: int = -1  # the place its fragment was first released in (its first part's seq); -1: ``seq``
+    tally: Tally | None = None  # its group's, when it shares its place in the order with other calls
 
     def __post_init__(self) -> None:
         if self.end < 0:

@@ -49,6 +49,14 @@ measures it), the program's later calls are released as refusals that name
 the budget, those already queued included, and the tenant cannot hold the
 island in unbreakable pieces longer than its cap, one at a time.
 
+Calls of one program queued back to back are cheap to run and dear to order
+one by one: up to ``group`` calls of a tenant's measured template that waits
+behind the first (a client calling one function in a loop) share its place in
+the order as one ``Group``, within one part's estimate (``part_s``), so a
+group holds other tenants up no longer than a part of a long fragment would.
+A template that receives from another island is never grouped (its fragments
+may park one by one).
+
 Small computations are cheap to run and dear to send: once ``eager``
 fragments are in flight, new messages wait for the next completion report and
 go with everything released then, as one message per host.
@@ -77,6 +85,7 @@ from resource_manager.host.buffers import Failure
 FIRST_ESTIMATE_S = 1e-3  # what a fragment of a template never measured counts against the window
 RECENT_S = 10.0  # the window of the "recent" share that status shows while jobs run
 COSTS = 4096  # (tenant, template) costs kept, least recently used out first
+GROUP = 32  # the calls a running island's scheduler releases as one group, at most
 NAMED = ("tenant_time_s", "tenant_time_recent_s", "fragments", "weights", "tenants")  # stats that name tenants
 
 
@@ -98,7 +107,15 @@ class Continue:
     hi: int
 
 
-Item = Admitted | Resume | Continue
+@dataclass(frozen=True)
+class Group:
+    """Calls of one template by one tenant, queued back to back, released as one place in the order: each runs
+    as its own fragment, and their completion is reported once, as the group's."""
+
+    entries: tuple[Admitted, ...]
+
+
+Item = Admitted | Resume | Continue | Group
 Released = list[tuple[int, Item]]
 
 
@@ -122,6 +139,7 @@ class _Flight:
     key: tuple[str, Template | None]
     ops: int
     unmeasured: bool
+    calls: int = 1  # a group's calls, each a fragment of the window
 
 
 class Scheduler:
@@ -129,7 +147,7 @@ class Scheduler:
 
     def __init__(self, island: int, n_hosts: int, window: int = 64, window_s: float = 0.05, eager: int = 8,
                  credit_s: float | None = None, part_s: float | None = None, first_part_ops: int = 256,
-                 op_cap_ms: Callable[[str], int] | None = None) -> None:
+                 op_cap_ms: Callable[[str], int] | None = None, group: int = 1) -> None:
         self.island, self.n_hosts = island, n_hosts
         self._op_cap_ms = op_cap_ms or (lambda tenant: 1 << 62)  # the tenant's op_ms budget, from the registry
         self._lock = threading.Lock()
@@ -137,7 +155,9 @@ class Scheduler:
         self.credit_s = window_s if credit_s is None else credit_s
         self.part_s = window_s / 2 if part_s is None else part_s
         self.first_part_ops = first_part_ops
+        self.group = max(1, group)
         self._inflight_s = 0.0  # the estimates of the fragments in flight
+        self._inflight_calls = 0  # fragments in flight, each call of a group counted (what ``window`` bounds)
         self._received = [0, 0]  # queue calls, messages in them: how well clients coalesce
         self._seq = 0
         self._vtime = 0.0
@@ -249,7 +269,7 @@ class Scheduler:
         self._resumes.clear()
         queues, inflight, costs = self._queues, self._inflight, self._cost
         window, window_s = self.window, self.window_s
-        while len(inflight) < window and (not inflight or self._inflight_s < window_s):
+        while self._inflight_calls < window and (not inflight or self._inflight_s < window_s):
             if len(queues) == 1:  # one tenant with work: no one to choose between (the common case, kept cheap)
                 tenant = next(iter(queues))
                 if not self._ready(tenant):
@@ -282,22 +302,49 @@ class Scheduler:
             n_ops = len(entry.template.ops) if entry.template is not None else 1
             part = self.first_part_ops if cost is None else max(1, int(self.part_s / max(cost, 1e-9)))
             hi = min(n_ops, lo + part)
+            ops, calls = hi - lo, 1
             if rest:
                 released.append((seq, Continue(item.seq, lo, hi)))
-            else:
-                released.append((seq, entry if hi == n_ops else replace(entry, end=hi)))
+            elif hi < n_ops:
+                released.append((seq, replace(entry, end=hi)))
                 self._fragments[tenant] = self._fragments.get(tenant, 0) + 1
+            else:
+                more = self._follow(tenant, entry, cost * n_ops) if cost is not None and self.group > 1 else []
+                released.append((seq, Group((entry, *more)) if more else entry))
+                calls += len(more)
+                self._fragments[tenant] = self._fragments.get(tenant, 0) + calls
+                ops = n_ops * calls
             if hi < n_ops:  # the rest goes before the tenant's later messages
                 queues.setdefault(tenant, deque()).appendleft(_Rest(entry, item.seq if rest else seq, hi))
-            estimate = FIRST_ESTIMATE_S if cost is None else max(cost * (hi - lo), 1e-6)
+            estimate = FIRST_ESTIMATE_S if cost is None else max(cost * ops, 1e-6)
             owed = estimate / self._weights.get(tenant, 1.0)
-            inflight[seq] = _Flight(tenant, estimate, owed, key, hi - lo, cost is None)
+            inflight[seq] = _Flight(tenant, estimate, owed, key, ops, cost is None, calls)
             self._inflight_s += estimate
+            self._inflight_calls += calls
             self._owed[tenant] = self._owed.get(tenant, 0.0) + owed
             self._flying[tenant] = self._flying.get(tenant, 0) + 1
             if cost is None:
                 self._unmeasured[tenant] = self._unmeasured.get(tenant, 0) + 1
         return released
+
+    def _follow(self, tenant: str, first: Admitted, call_s: float) -> list[Admitted]:
+        """The tenant's calls of ``first``'s template queued right behind it that may share its place in the order:
+        at most ``group`` in all, estimated within one part (``call_s`` seconds each)."""
+        template = first.template
+        queue = self._queues.get(tenant)
+        if not queue or template.receives:
+            return []
+        more: list[Admitted] = []
+        room, limit = self.part_s - call_s, min(self.group, self.window - self._inflight_calls) - 1
+        while queue and len(more) < limit and room >= call_s:
+            head = queue[0]
+            if type(head) is not Admitted or head.template is not template or head.refusal is not None:
+                break
+            more.append(queue.popleft())
+            room -= call_s
+        if not queue:
+            del self._queues[tenant]
+        return more
 
     def _refuse_over_cap(self, entry: Admitted) -> Admitted:
         """``entry`` refused for its tenant's op_ms budget (its outputs fail with the reason on every host), or as
@@ -392,6 +439,7 @@ class Scheduler:
         flight = self._inflight.pop(seq, None)
         if flight is not None:
             self._inflight_s = self._inflight_s - flight.estimate if self._inflight else 0.0
+            self._inflight_calls -= flight.calls
             tenant = flight.tenant
             self._owed[tenant] = self._owed[tenant] - flight.owed if self._flying[tenant] > 1 else 0.0
             self._flying[tenant] -= 1
@@ -424,7 +472,7 @@ class Scheduler:
                        for t, p in self._pass.items()}
             return {"tenant_time_recent_s": recent, "island": self.island, "sequenced": self._seq,
                     "window": self.window, "window_s": self.window_s, "inflight_s": self._inflight_s,
-                    "queued": sum(len(q) for q in self._queues.values()), "inflight": len(self._inflight),
+                    "queued": sum(len(q) for q in self._queues.values()), "inflight": self._inflight_calls,
                     "blocked": len(self._blocked), "parked": len(self._landed), "tenant_time_s": dict(self._time),
                     "fragments": dict(self._fragments), "weights": dict(self._weights), "tenants": tenants,
                     "submit_calls": self._received[0], "messages": self._received[1]}

@@ -24,7 +24,7 @@ from resource_manager.host.grants import Grants
 from resource_manager.host.handlers import Handlers
 from resource_manager.host.inbox import Inbox
 from resource_manager.host.receive import Receiver
-from resource_manager.host.scheduler import Scheduler
+from resource_manager.host.scheduler import GROUP, Scheduler
 from resource_manager.host.transport.peers import Peers
 from resource_manager.host.uploads import Uploads
 
@@ -82,7 +82,8 @@ def core(island: int, index: int, n_hosts: int, limits: Limits, devices: LocalDe
     parts = Parts(limits, devices, grants, table, pool, exes, uploads, peers, receiver, handlers, executor,
                   inbox, events)
     if index == 0:
-        parts.scheduler = Scheduler(island, n_hosts, op_cap_ms=lambda tenant: grants.budgets(tenant).op_ms)
+        parts.scheduler = Scheduler(island, n_hosts, op_cap_ms=lambda tenant: grants.budgets(tenant).op_ms,
+                                    group=GROUP)
         parts.admission = Admission(limits, grants, exes, gap_timeout)
     holder.append(parts)
     return parts

@@ -71,17 +71,6 @@ class BufferTable:
         self._tenant_peak: dict[str, int] = {}
 
     # -- entries --------------------------------------------------------------------------------------------
-    def _set(self, buffer_id: int, entry: Entry) -> None:
-        old = self._entries.get(buffer_id)
-        self._entries[buffer_id] = entry
-        if old is not None:
-            self._tenant_bytes[old.tenant] -= old.nbytes
-        self._bytes += entry.nbytes - (old.nbytes if old is not None else 0)
-        self._peak = max(self._peak, self._bytes)
-        held = self._tenant_bytes[entry.tenant] = self._tenant_bytes[entry.tenant] + entry.nbytes
-        if held > self._tenant_peak.get(entry.tenant, 0):
-            self._tenant_peak[entry.tenant] = held
-
     def _drop(self, buffer_id: int) -> Entry | None:
         old = self._entries.pop(buffer_id, None)
         if old is not None:
@@ -93,20 +82,34 @@ class BufferTable:
         """Store ``value`` (of ``nbytes``, when the caller knows them) as buffer ``buffer_id`` of ``tenant`` and wake
         the waits for it; TenantAccessError if another tenant owns that id."""
         with self._lock:
-            entry = self._entries.get(buffer_id)
-            if entry is not None and entry.tenant != tenant:
-                raise TenantAccessError(f"buffer {buffer_id} is not owned by tenant {tenant!r}; refusing to write it")
-            self._set(buffer_id, Entry(tenant, value, nbytes))
-            if self._waiters:
-                for call in self._waiters.pop(buffer_id, ()):
-                    call()
+            self._store(buffer_id, tenant, value, nbytes)
 
     def put_all(self, ids: Sequence[int], tenant: str, values: Sequence[Any], nbytes: Sequence[int] = ()) -> None:
         """``put`` each of ``values`` (of ``nbytes``, when known) as the buffer of the same position in ``ids``, under
         one hold of the lock: an op's outputs."""
         with self._lock:
             for k, (buffer_id, value) in enumerate(zip(ids, values)):
-                self.put(buffer_id, tenant, value, nbytes[k] if nbytes else None)
+                self._store(buffer_id, tenant, value, nbytes[k] if nbytes else None)
+
+    def _store(self, buffer_id: int, tenant: str, value: Any, nbytes: int | None) -> None:
+        """``put``'s work, the lock held."""
+        entries = self._entries
+        old = entries.get(buffer_id)
+        if old is not None:
+            if old.tenant != tenant:
+                raise TenantAccessError(f"buffer {buffer_id} is not owned by tenant {tenant!r}; refusing to write it")
+            self._tenant_bytes[tenant] -= old.nbytes
+            self._bytes -= old.nbytes
+        entry = entries[buffer_id] = Entry(tenant, value, nbytes)
+        total = self._bytes = self._bytes + entry.nbytes
+        if total > self._peak:
+            self._peak = total
+        held = self._tenant_bytes[tenant] = self._tenant_bytes[tenant] + entry.nbytes
+        if held > self._tenant_peak.get(tenant, 0):
+            self._tenant_peak[tenant] = held
+        if self._waiters:
+            for call in self._waiters.pop(buffer_id, ()):
+                call()
 
     def lookup(self, buffer_id: int, tenant: str) -> Entry | None:
         """The entry if it exists (or the failure that stands for it); refuses another tenant's buffer

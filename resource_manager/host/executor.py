@@ -73,7 +73,8 @@ class Executor:
                  table: BufferTable, op_timeout: float, events: EventLog, report: Callable[[Report], None]) -> None:
         self.island, self.host, self.strict = island, host, strict
         self.handlers, self.receiver, self.table = handlers, receiver, table
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()  # taken directly where nothing waits: a Condition's own enter costs more
+        self._cond = threading.Condition(self._lock)
         self.op_timeout = op_timeout
         self.events = events
         self._report_to = report
@@ -106,7 +107,7 @@ class Executor:
                 if isinstance(op, Recv):
                     self.receiver.expect(run.rid(op.out), op)
         self.table.add_uses(touched)
-        with self._cond:
+        with self._lock:
             dead = self.dead
             if dead is None:
                 self.runs.append(run)
@@ -118,7 +119,7 @@ class Executor:
 
     def resume(self, seq: int, pc: int) -> None:
         """The rest of a parked run takes this place in the order (every host of the island alike)."""
-        with self._cond:
+        with self._lock:
             run = self.parked.pop(seq, None)
             if run is None or run.pc != pc:
                 log.error("island %d host %d: resume of fragment %d at op %d, which is not parked there", self.island,
@@ -135,7 +136,7 @@ class Executor:
 
     def touch(self) -> None:
         """Something changed (a buffer, a landing, an upload): wake the loop."""
-        with self._cond:
+        with self._lock:
             self._wake()
 
     def _wake(self) -> None:
@@ -144,14 +145,14 @@ class Executor:
 
     def stop(self) -> None:
         """Stop the loop and the handlers' sender threads."""
-        with self._cond:
+        with self._lock:
             self._stopped = True
             self._wake()
         self.handlers.stop()
 
     def busy(self) -> int:
         """Runs admitted here and not finished (parked ones included)."""
-        with self._cond:
+        with self._lock:
             return len(self.runs) + len(self.parked) + sum(len(rs) for rs in self._behind.values())
 
     # -- the loop -----------------------------------------------------------------------------------------
@@ -164,42 +165,53 @@ class Executor:
 
     def _loop(self) -> None:
         while True:
-            with self._cond:
+            with self._lock:
                 if self._stopped:
                     return
                 seen = self.version
                 runs = list(self.runs)
             progressed = False
+            finished = []
             for run in runs:
                 if run.parked:
                     continue
                 progressed |= self._advance(run)
                 if run.pc >= run.end:
-                    self._finish(run)
+                    finished.append(run)
                 elif self.strict and not run.parked:
                     break
+            if finished:
+                self._finish(finished)
             self._flush()
             if progressed:
                 continue
             until_expiry = self.receiver.expire()
-            with self._cond:
+            with self._lock:
                 if self.version == seen and not self._stopped:
                     self._sleeping = True
                     self._cond.wait(timeout=self._next_deadline(until_expiry))
                     self._sleeping = False
 
-    def _finish(self, run: Run) -> None:
-        with self._cond:
-            self.runs.remove(run)
-            self.completed += 1
-        tally = run.tally
-        if tally is None:
-            self._report.done.append([run.seq, run.busy_s, run.compile_s, run.longest_s])
-        elif tally.add(run):  # the last of its group: the group's place in the order is done
-            self._report.done.append([run.seq, tally.busy_s, tally.compile_s, tally.longest_s])
-        if self.events.enabled:
-            self.events.span(f"seq {run.seq}: {run.label}", "fragment", run.admitted, time.time(), seq=run.seq,
-                             tenant=run.tenant, program=run.label, ops=len(run.ops), busy_ms=round(run.busy_s * 1e3, 3))
+    def _finish(self, finished: list[Run]) -> None:
+        """Runs done in one pass: out of the list in one step, each reported (a group's once, by its last)."""
+        with self._lock:
+            if len(finished) == 1:
+                self.runs.remove(finished[0])
+            else:
+                gone = set(finished)
+                self.runs = [run for run in self.runs if run not in gone]
+            self.completed += len(finished)
+        done = self._report.done
+        for run in finished:
+            tally = run.tally
+            if tally is None:
+                done.append([run.seq, run.busy_s, run.compile_s, run.longest_s])
+            elif tally.add(run):  # the last of its group: the group's place in the order is done
+                done.append([run.seq, tally.busy_s, tally.compile_s, tally.longest_s])
+            if self.events.enabled:
+                self.events.span(f"seq {run.seq}: {run.label}", "fragment", run.admitted, time.time(), seq=run.seq,
+                                 tenant=run.tenant, program=run.label, ops=len(run.ops),
+                                 busy_ms=round(run.busy_s * 1e3, 3))
 
     def _flush(self) -> None:
         self._report.landed.extend(self.receiver.take_landed())
@@ -255,7 +267,7 @@ class Executor:
 
     # -- parking (multi-host islands) ---------------------------------------------------------------------
     def _park(self, run: Run, op: Recv) -> None:
-        with self._cond:
+        with self._lock:
             run.parked = True
             self.runs.remove(run)
             self.parked[run.seq] = run
@@ -268,7 +280,7 @@ class Executor:
 
     def _park_behind(self, run: Run, op: Op) -> bool:
         """Park ``run`` behind the parked run that will write a value ``op`` is missing, if there is one."""
-        with self._cond:
+        with self._lock:
             for buffer_id in run.ids(op.reads()):
                 producer = self._future.get(buffer_id)
                 if producer is not None and buffer_id not in self.table:
@@ -315,7 +327,7 @@ class Executor:
     def die(self, reason: str) -> None:
         """This host can no longer run: fail everything admitted, and every wait from now on."""
         failure = Failure("IslandFailedError", reason)
-        with self._cond:
+        with self._lock:
             self.dead = reason
             pending = self.runs + list(self.parked.values()) + [r for rs in self._behind.values() for r in rs]
             self.runs, self.parked, self._behind = [], {}, {}
@@ -342,7 +354,7 @@ class Executor:
     def stalled(self, tenant: str) -> list[dict]:
         """The tenant's admitted fragments that have not finished, and what each waits for."""
         out = []
-        with self._cond:
+        with self._lock:
             runs = [r for r in self.runs + list(self.parked.values()) if r.tenant == tenant]
         for run in runs:
             if run.pc >= run.end:

@@ -169,13 +169,18 @@ def decode_values(data: Any, *kinds: str) -> tuple[str, list[Any]]:
             f"unsupported wire version {version!r}; this side speaks version {VERSION}. "
             "Run the same pathways release on the client and the cluster."
         )
-    _declare_all()
     checker = _SCHEMAS.get(kind) if type(kind) is str else None
+    if checker is None:
+        _declare_all()  # a kind not declared yet may be one whose module is not loaded
+        checker = _SCHEMAS.get(kind) if type(kind) is str else None
     if checker is None or (kinds and kind not in kinds):
         expected = ", ".join(kinds or sorted(_SCHEMAS))
         raise WireFormatError(f"unexpected message kind {kind!r}; expected one of: {expected}")
     values = msg[2:]
-    _validate(values, checker, kind)
+    try:
+        checker(values)
+    except _Invalid as exc:
+        raise WireFormatError(f"{kind}{exc.where}: {exc.reason}") from None
     return kind, values
 
 
@@ -255,7 +260,12 @@ def _compile(schema: Any) -> Check:
         def check_plain_list(value: Any) -> None:  # ids, names: the long lists, checked without a call per item
             if not isinstance(value, (list, tuple)):
                 raise _Invalid(f"expected a list, got {type(value).__name__}")
-            for i, v in enumerate(value):
+            for v in value:
+                if type(v) is not exact:
+                    break
+            else:
+                return
+            for i, v in enumerate(value):  # something is not of the exact type: say where, and whether it is wrong
                 if type(v) is not exact:
                     try:
                         item(v)
@@ -278,6 +288,8 @@ def _compile(schema: Any) -> Check:
     def check_map(value: Any) -> None:  # str keys, each value checked
         if not isinstance(value, dict):
             raise _Invalid(f"expected a map, got {type(value).__name__}")
+        if not value:
+            return
         for key, v in value.items():
             if not isinstance(key, str):
                 raise _Invalid(f"expected str keys, got {type(key).__name__}")
@@ -291,12 +303,15 @@ def _compile(schema: Any) -> Check:
 def _values_check(schema: dict) -> Check:
     """A message's field values, in the schema's order: one check each, in a list of exactly that length."""
     names = tuple(schema)
-    checks = tuple(zip(names, [_compile(sub) for sub in schema.values()]))
+    # a field of one plain type is passed by its exact type without a call (``type(v) is int`` keeps bools out)
+    checks = tuple((name, _compile(sub), sub if sub in (int, str, bytes) else None) for name, sub in schema.items())
 
     def check_values(values: Any) -> None:
         if len(values) != len(names):
             raise _Invalid(f"{len(values)} field values, not {len(names)} ({', '.join(names)})")
-        for (name, checker), value in zip(checks, values):
+        for (name, checker, exact), value in zip(checks, values):
+            if type(value) is exact:
+                continue
             try:
                 checker(value)
             except _Invalid as exc:

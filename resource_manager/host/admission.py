@@ -196,9 +196,11 @@ class Admission:
             raise ProgramError(f"program {template.program!r} takes {template.n_inputs} inputs; the call names "
                                f"{len(call.inputs)}")
         lo, hi = client << CLIENT_ID_BITS, (client + 1) << CLIENT_ID_BITS
+        floor = lo or 1  # id 0 is no one's
         last = call.base + max(template.n_values - 1, 0)
-        if not (0 < call.base and lo <= call.base and last < hi and all(lo <= i < hi and i > 0 for i in call.inputs)
-                and all(lo <= i < hi and i > 0 for i in call.frees)):
+        inputs, frees = call.inputs, call.frees
+        if not (floor <= call.base and last < hi and (not inputs or floor <= min(inputs) and max(inputs) < hi)
+                and (not frees or floor <= min(frees) and max(frees) < hi)):
             self._own(client, (call.base, last), "a call's output block")  # says which id was wrong
             self._own(client, call.inputs, f"program {template.program!r}")
             self._own(client, call.frees, "a free")

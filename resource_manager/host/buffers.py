@@ -88,6 +88,9 @@ class BufferTable:
         """``put`` each of ``values`` (of ``nbytes``, when known) as the buffer of the same position in ``ids``, under
         one hold of the lock: an op's outputs."""
         with self._lock:
+            if len(ids) == 1:  # most ops have one output
+                self._store(ids[0], tenant, values[0], nbytes[0] if nbytes else None)
+                return
             for k, (buffer_id, value) in enumerate(zip(ids, values)):
                 self._store(buffer_id, tenant, value, nbytes[k] if nbytes else None)
 

@@ -130,6 +130,18 @@ class ExecutableCache:
         makes it once (``get``'s ``key``)."""
         return exe_hash, desc.devices, desc.shape, desc.axes, tuple(in_specs), tuple(out_specs)
 
+    def cached(self, tenant: str, key: tuple, donate: tuple[int, ...] = ()) -> Compiled | None:
+        """The compiled executable ``get`` would give, if it is compiled already (``key``: ``ExecutableCache.key``);
+        None on a miss. ResourceError as ``get`` if a run cannot fit this host now."""
+        per_tenant = self._compiled.get(tenant)
+        full = key + (donate,)
+        entry = None if per_tenant is None else per_tenant.get(full)
+        if entry is None:
+            return None
+        per_tenant.move_to_end(full)
+        self.hits += 1
+        return self._fits(entry)
+
     def get(self, tenant: str, exe_hash: str, mesh: Mesh, desc: SliceDesc, in_specs: Sequence[WireSpec],
             out_specs: Sequence[WireSpec], donate: tuple[int, ...] = (), key: tuple | None = None) -> Any:
         """The compiled executable (compiling it on a miss); ResourceError if its outputs and temporaries
@@ -148,6 +160,9 @@ class ExecutableCache:
         else:
             per_tenant.move_to_end(key)
             self.hits += 1
+        return self._fits(entry)
+
+    def _fits(self, entry: Compiled) -> Compiled:
         if not fits_now(entry.out_bytes):
             raise ResourceError(f"a run of this computation allocates {entry.out_bytes / 2**30:.3g} GiB on island "
                                 f"{self.limits.island}, more than the host has free now; try again later or "

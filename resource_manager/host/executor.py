@@ -97,12 +97,11 @@ class Executor:
     def admit(self, run: Run) -> None:
         """Take the next run in sequence order: count its uses, announce its receives, and queue it (or fail it at once
         if the host is dead)."""
-        ops = run.own_ops()
-        if len(ops) == 1 and type(ops[0]) is not Recv:  # the common case: one computation
-            touched = run.touches(ops[0])
+        if run.end - run.pc == 1 and type(run.ops[run.pc]) is not Recv:  # the common case: one computation
+            touched = run.touched = run.touches(run.ops[run.pc])
         else:
             touched = []
-            for op in ops:
+            for op in run.own_ops():
                 touched += run.touches(op)
                 if isinstance(op, Recv):
                     self.receiver.expect(run.rid(op.out), op)
@@ -227,15 +226,16 @@ class Executor:
 
     def _advance(self, run: Run) -> bool:
         progressed = False
+        traced = self.events.enabled
         while run.pc < run.end:
             op = run.ops[run.pc]
             if self.strict and isinstance(op, Recv) and run.resumed_at != run.pc:
                 self._park(run, op)
                 return progressed
             start, compiled_before = time.perf_counter(), run.compile_s
-            wall = time.time() if self.events.enabled else 0.0
+            wall = time.time() if traced else 0.0
             try:
-                if not self.handlers.run(run, op, final=run.resumed_at == run.pc):
+                if not self.handlers.run(run, op, run.resumed_at == run.pc):
                     if self.strict and self._park_behind(run, op):
                         return progressed
                     now = time.monotonic()
@@ -253,12 +253,15 @@ class Executor:
                 self._fail_op(run, op, Failure(*to_wire(exc)))
             elapsed = time.perf_counter() - start
             run.busy_s += elapsed
-            if isinstance(op, Exec):
-                run.longest_s = max(run.longest_s, elapsed - (run.compile_s - compiled_before))
+            if type(op) is Exec:
+                ran = elapsed - (run.compile_s - compiled_before)
+                if ran > run.longest_s:
+                    run.longest_s = ran
             self.busy_s += elapsed
-            if self.events.enabled:
+            if traced:
                 self._trace_op(run, op, wall, elapsed)
-            self.table.done_using(run.touches(op), run.ids(op.frees) if op.frees else (), run.tenant)
+            touched = run.touched if run.touched is not None else run.touches(op)
+            self.table.done_using(touched, run.ids(op.frees) if op.frees else (), run.tenant)
             run.pc += 1
             run.waiting_since = None
             self.ops_run += 1

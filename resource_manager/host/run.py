@@ -70,6 +70,7 @@ class Run:
     end: int = -1
     fragment: int = -1  # the place its fragment was first released in (its first part's seq); -1: ``seq``
     tally: Tally | None = None  # its group's, when it shares its place in the order with other calls
+    touched: list[int] | None = None  # a one-op run's ``touches``, worked out once at admission
 
     def __post_init__(self) -> None:
         if self.end < 0:
@@ -93,6 +94,9 @@ class Run:
     def ids(self, slots: tuple[int, ...]) -> list[int]:
         """The buffer ids ``slots`` stand for in this run."""
         n, base, inputs = self.n_inputs, self.base, self.inputs
+        if len(slots) == 1:  # an op's one output, or one input: no comprehension
+            s = slots[0]
+            return [inputs[s] if s < n else base + s]
         return [inputs[s] if s < n else base + s for s in slots]
 
     def touches(self, op: Op) -> list[int]:

@@ -79,6 +79,12 @@ class Writer:
         self._room.acquire()
         self._queue.put((rid, make, True))
 
+    def answer_now(self, rid: int) -> None:
+        """Answer ``rid`` with its receipt from the reader's own thread: nothing to make, due at once, so no hand-off
+        to the writer's thread (answers are matched by number, not order). Blocks while the client does not read,
+        as ``answer`` does."""
+        self._conn.send(Answer(rid, True, None).encode())
+
     def answer_later(self, rid: int, make: Callable[[], tuple[Any, list]]) -> None:
         """Queue a waiting fetch's answer; never blocks."""
         self._queue.put((rid, make, False))
@@ -192,7 +198,7 @@ class ClientService:
         except PathwaysError as exc:  # the batch as a whole is wrong (numbering): this client's own problem
             writer.answer(batch.rid, _raiser(exc))
             return
-        writer.answer(batch.rid, _taken)
+        writer.answer_now(batch.rid)
 
     def _position(self, conn: Connection, writer: Writer, session: Session, request: Position, data: int) -> None:
         conn.skip(data)
@@ -377,10 +383,6 @@ class ClientService:
             pending = sum(self._pending.values())
         return {"client_connections_served": self.endpoint.served, "client_connections_refused": self.endpoint.refused,
                 "fetches": self.fetches, "fetches_pending": pending, "fetches_timed_out": self.timed_out}
-
-
-def _taken() -> tuple[Any, list]:
-    return None, []
 
 
 def _raiser(exc: Exception) -> Callable[[], tuple[Any, list]]:

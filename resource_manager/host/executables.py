@@ -146,20 +146,16 @@ class ExecutableCache:
             out_specs: Sequence[WireSpec], donate: tuple[int, ...] = (), key: tuple | None = None) -> Any:
         """The compiled executable (compiling it on a miss); ResourceError if its outputs and temporaries
         cannot fit this host now. ``key``: ``ExecutableCache.key`` of the other arguments, when the caller kept it."""
-        key = (key or self.key(exe_hash, desc, in_specs, out_specs)) + (donate,)
-        per_tenant = self._compiled.get(tenant)
-        if per_tenant is None:
+        key = key or self.key(exe_hash, desc, in_specs, out_specs)
+        entry = self.cached(tenant, key, donate)
+        if entry is not None:
+            return entry
+        entry = self._compile(tenant, exe_hash, mesh, desc, in_specs, out_specs, donate)
+        with self._lock:
             per_tenant = self._compiled.setdefault(tenant, OrderedDict())
-        entry = per_tenant.get(key)
-        if entry is None:
-            entry = self._compile(tenant, exe_hash, mesh, desc, in_specs, out_specs, donate)
-            with self._lock:
-                per_tenant[key] = entry
-                self.compiles += 1
-                self._evict(per_tenant)
-        else:
-            per_tenant.move_to_end(key)
-            self.hits += 1
+            per_tenant[key + (donate,)] = entry
+            self.compiles += 1
+            self._evict(per_tenant)
         return self._fits(entry)
 
     def _fits(self, entry: Compiled) -> Compiled:

@@ -466,6 +466,11 @@ class Template:
         return frozenset(op.exe for op in self.ops if isinstance(op, Exec))
 
     @functools.cached_property
+    def touched(self) -> tuple[int, ...]:
+        """The slots its ops read or write, op after op (an island counts a call's pending uses of them at once)."""
+        return tuple(slot for op in self.ops for slot in op.touches())
+
+    @functools.cached_property
     def receives(self) -> bool:
         """Whether an op of it receives a value from another island (such a fragment may park on the way)."""
         return any(isinstance(op, Recv) for op in self.ops)

@@ -265,6 +265,57 @@ def test_a_group_runs_each_call_as_if_alone_and_reports_done_once(host):
         other.executor.stop()
 
 
+def test_a_group_call_that_waits_does_not_hold_back_the_calls_behind_it(host):
+    """A group runs as one run, but a call whose input has not arrived splits it there: the later calls run at
+    once (dataflow, as if each came alone), a call that fails fails only its own outputs, and the group is still
+    reported done once, after its last call."""
+    inbox = host.parts.inbox
+    inc = host.function(lambda v: v + 1.0, 1)
+    template = one(inc, "inc")
+    base = 1 << CLIENT_ID_BITS
+    host.value(100, np.zeros(4, np.float32))
+    late = base + 999  # produced only later, by a put
+    reads = [100, late, 100, base + 5, 100]  # call 1 waits for a put; call 3 reads call 2's output
+    entries = []
+    for k, read in enumerate(reads):
+        call = Call(template.encode(), base + 2 * k, (read,), {}, ())
+        entries.append(Admitted(1, TENANT, call.encode(), call, template))
+    inbox.accept([(0, Group(tuple(entries)))])
+    for k in (0, 2, 3, 4):  # all but the waiting call ran, without it
+        np.testing.assert_allclose(host.fetch(base + 2 * k + 1, timeout=5), 2.0 if k == 3 else 1.0)
+    assert base + 3 not in host.table and not any(r.done for r in host.reports)  # it still waits, and so does the group
+    host.value(late, np.full(4, 7.0, np.float32))
+    host.touch()
+    np.testing.assert_allclose(host.fetch(base + 3), 8.0)
+    deadline = time.monotonic() + 10
+    while not any(r.done for r in host.reports) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.1)
+    done = [d for r in host.reports for d in r.done]
+    assert len(done) == 1 and done[0][0] == 0
+    assert host.executor.completed == 5
+
+
+def test_a_failing_call_of_a_group_fails_its_own_outputs_only(host):
+    """Every call of a group runs as if alone: one whose input is a failure fails its outputs with that failure,
+    and the calls after it run."""
+    inbox = host.parts.inbox
+    inc = host.function(lambda v: v + 1.0, 1)
+    template = one(inc, "inc")
+    base = 1 << CLIENT_ID_BITS
+    host.value(100, np.zeros(4, np.float32))
+    host.table.put(101, TENANT, Failure("ProgramError", "the input failed"))
+    entries = []
+    for k, read in enumerate([100, 101, 100]):
+        call = Call(template.encode(), base + 2 * k, (read,), {}, ())
+        entries.append(Admitted(1, TENANT, call.encode(), call, template))
+    inbox.accept([(0, Group(tuple(entries)))])
+    np.testing.assert_allclose(host.fetch(base + 1), 1.0)
+    with pytest.raises(pw.ProgramError, match="the input failed"):
+        host.fetch(base + 3)
+    np.testing.assert_allclose(host.fetch(base + 5), 1.0)
+
+
 def test_a_call_or_part_that_cannot_run_here_is_still_reported_done(host):
     """The scheduler keeps a call's place in its window until the call is reported done: a call whose admission
     failed on this host, and the later parts of a fragment whose first part never ran, report done at once."""

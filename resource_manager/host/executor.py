@@ -94,18 +94,26 @@ class Executor:
         self._thread.start()
 
     # -- admission (in sequence order) --------------------------------------------------------------------
-    def admit(self, run: Run) -> None:
-        """Take the next run in sequence order: count its uses, announce its receives, and queue it (or fail it at once
-        if the host is dead)."""
+    def count_uses(self, run: Run) -> list[int] | None:
+        """Count the uses of what ``run``'s ops read and write and announce its receives; returns a one-op run's
+        touched ids (kept on the run: its op's end uses them again), None for a longer one."""
         if run.end - run.pc == 1 and type(run.ops[run.pc]) is not Recv:  # the common case: one computation
             touched = run.touched = run.touches(run.ops[run.pc])
-        else:
-            touched = []
-            for op in run.own_ops():
-                touched += run.touches(op)
-                if isinstance(op, Recv):
-                    self.receiver.expect(run.rid(op.out), op)
+            self.table.add_uses(touched)
+            return touched
+        touched = []
+        for op in run.own_ops():
+            touched += run.touches(op)
+            if isinstance(op, Recv):
+                self.receiver.expect(run.rid(op.out), op)
         self.table.add_uses(touched)
+        return None
+
+    def admit(self, run: Run, counted: bool = False) -> None:
+        """Take the next run in sequence order: count its uses (unless ``counted``: a group's, call by call), announce
+        its receives, and queue it (or fail it at once if the host is dead)."""
+        if not counted:
+            self.count_uses(run)
         with self._lock:
             dead = self.dead
             if dead is None:
@@ -199,7 +207,7 @@ class Executor:
             else:
                 gone = set(finished)
                 self.runs = [run for run in self.runs if run not in gone]
-            self.completed += len(finished)
+            self.completed += sum(run.calls for run in finished)
         done = self._report.done
         for run in finished:
             tally = run.tally
@@ -225,6 +233,52 @@ class Executor:
         return max(0.001, min(1.0, until_expiry, min(waits) + self.op_timeout - time.monotonic()))
 
     def _advance(self, run: Run) -> bool:
+        if run.more and run.pc == 0 and len(run.ops) == 1 and type(run.ops[0]) is Exec and not self.events.enabled:
+            return self._advance_calls(run)
+        return self._advance_ops(run)
+
+    def _advance_calls(self, run: Run) -> bool:
+        """A group of one-computation calls back to back, each as ``_advance_ops`` would run it alone; what they
+        share is worked out once. A call whose input is missing splits the group there and waits as a run does."""
+        op = run.ops[0]
+        start = time.perf_counter()
+        compiled_before = run.compile_s
+        try:
+            run_call = self.handlers.launcher(run, op)
+        except Exception:  # noqa: BLE001 - the call itself will fail the same way, and say so, one by one
+            run_call = None
+        if run_call is None:
+            return self._advance_ops(run)
+        table, tenant, frees = self.table, run.tenant, op.frees
+        lost = run.compile_s - compiled_before  # compiling, charged to the first call's island time only
+        progressed = False
+        while True:
+            try:
+                if not run_call(run):
+                    self._split(run)
+                    return self._advance_ops(run) or progressed
+            except Failed as exc:
+                self._fail_op(run, op, exc.failure)
+            except Exception as exc:  # an op's failure becomes its outputs' failure
+                self._fail_op(run, op, Failure(*to_wire(exc)))
+            now = time.perf_counter()
+            elapsed = now - start
+            start = now
+            run.busy_s += elapsed
+            ran = elapsed - lost
+            lost = 0.0
+            if ran > run.longest_s:
+                run.longest_s = ran
+            self.busy_s += elapsed
+            table.done_using(run.touched, run.ids(frees) if frees else (), tenant)
+            self.ops_run += 1
+            progressed = True
+            if not run.more:
+                run.pc = run.end
+                return True
+            run.next_call()
+
+    def _advance_ops(self, run: Run) -> bool:
         progressed = False
         traced = self.events.enabled
         while run.pc < run.end:
@@ -236,6 +290,8 @@ class Executor:
             wall = time.time() if traced else 0.0
             try:
                 if not self.handlers.run(run, op, run.resumed_at == run.pc):
+                    if run.more:
+                        self._split(run)
                     if self.strict and self._park_behind(run, op):
                         return progressed
                     now = time.monotonic()
@@ -266,7 +322,17 @@ class Executor:
             run.waiting_since = None
             self.ops_run += 1
             progressed = True
+            if run.pc >= run.end and run.more:
+                run.next_call()
         return progressed
+
+    def _split(self, run: Run) -> None:
+        """A call of a group waits for an input: the group's later calls become runs of their own, right behind it."""
+        rest = run.split()
+        with self._lock:
+            at = self.runs.index(run) + 1 if run in self.runs else len(self.runs)
+            self.runs[at:at] = rest
+            self.version += 1
 
     # -- parking (multi-host islands) ---------------------------------------------------------------------
     def _park(self, run: Run, op: Recv) -> None:
@@ -320,12 +386,13 @@ class Executor:
                 pass
 
     def _fail_rest(self, run: Run, failure: Failure) -> None:
-        for op in run.own_ops():
-            for buffer_id in run.ids(op.writes()):
-                try:
-                    self.table.put(buffer_id, run.tenant, failure)
-                except Exception:
-                    pass
+        for part in (run, *run.split()):
+            for op in part.own_ops():
+                for buffer_id in part.ids(op.writes()):
+                    try:
+                        self.table.put(buffer_id, part.tenant, failure)
+                    except Exception:
+                        pass
 
     def die(self, reason: str) -> None:
         """This host can no longer run: fail everything admitted, and every wait from now on."""

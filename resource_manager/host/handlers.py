@@ -29,7 +29,7 @@ from pathways.sharding import dtype_from_wire
 from resource_manager.host.buffer_pool import BufferPool
 from resource_manager.host.buffers import BufferTable, Entry, Failure
 from resource_manager.host.devices import LocalDevices
-from resource_manager.host.executables import ExecutableCache
+from resource_manager.host.executables import Compiled, ExecutableCache
 from resource_manager.host.receive import Receiver
 from resource_manager.host.run import Place, Run
 from resource_manager.host.transfer import Landing, assemble, local_pieces
@@ -133,19 +133,47 @@ class Handlers:
         local = self._local(run, op)
         if local is False:
             return True  # a slice on other hosts of this island: nothing of it lives here
-        desc, mesh, key = local
         entries = self._entries(run, op.inputs)
         if entries is None:
             return False
-        tenant, exes, table = run.tenant, self.exes, self.table
         donate = self._donatable(run, op) if op.donate else ()
-        compiled = exes.cached(tenant, key, donate)
+        compiled = self._compiled(run, op, local, donate)
+        self._launch(run, op, compiled, entries, donate, self.budgets(run.tenant).host_bytes)
+        return True
+
+    def launcher(self, run: Run, op: Exec) -> Callable[[Run], bool] | None:
+        """``_exec`` for the calls of a group, with what they share (the executable, the budget) worked out once:
+        the callable runs ``op`` with the run's current call's ids, False while an input is missing. None where the
+        op runs nothing on this host or donates (each call then goes through ``run``)."""
+        local = self._local(run, op)
+        if local is False or op.donate:
+            return None
+        compiled = self._compiled(run, op, local, ())
+        budget = self.budgets(run.tenant).host_bytes
+        entries_of, launch, inputs = self._entries, self._launch, op.inputs
+
+        def run_call(run: Run) -> bool:
+            entries = entries_of(run, inputs)
+            if entries is None:
+                return False
+            launch(run, op, compiled, entries, (), budget)
+            return True
+        return run_call
+
+    def _compiled(self, run: Run, op: Exec, local: tuple, donate: tuple[int, ...]) -> Compiled:
+        desc, mesh, key = local
+        compiled = self.exes.cached(run.tenant, key, donate)
         if compiled is None:  # compiling is charged like the run, but no measure of what later runs cost
             start = time.perf_counter()
-            compiled = exes.get(tenant, op.exe, mesh, desc, op.in_specs, op.out_specs, donate, key)
+            compiled = self.exes.get(run.tenant, op.exe, mesh, desc, op.in_specs, op.out_specs, donate, key)
             run.compile_s += time.perf_counter() - start
+        return compiled
+
+    def _launch(self, run: Run, op: Exec, compiled: Compiled, entries: list[Entry], donate: tuple[int, ...],
+                budget: int) -> None:
+        tenant, table = run.tenant, self.table
         freed = sum(entries[p].nbytes for p in donate) if donate else 0
-        table.check_room(tenant, compiled.resident_bytes - freed, self.budgets(tenant).host_bytes)
+        table.check_room(tenant, compiled.resident_bytes - freed, budget)
         results = compiled.call(*[e.value for e in entries])
         # One launch at a time: XLA's CPU collectives deadlock when many multi-device launches are in
         # flight, and blocking makes the island time charged to each tenant (and traced) real.
@@ -155,7 +183,6 @@ class Handlers:
         for position in donate:
             table.take(run.rid(op.inputs[position]), tenant)
         table.put_all(run.ids(op.outputs), tenant, results, compiled.out_nbytes)
-        return True
 
     def _donatable(self, run: Run, op: Exec) -> tuple[int, ...]:
         """The donated inputs XLA may really take: read by no other pending op, and passed only once here."""

@@ -22,7 +22,7 @@ from resource_manager.host.admission import Admitted
 from resource_manager.host.buffers import BufferTable, Failure
 from resource_manager.host.executables import ExecutableCache
 from resource_manager.host.executor import Executor
-from resource_manager.host.run import Place, Run, Tally
+from resource_manager.host.run import Place, Run
 from resource_manager.host.scheduler import Continue, Group, Item, Resume
 
 log = logging.getLogger(__name__)
@@ -97,17 +97,8 @@ class Inbox:
         self._gap_since = (self._gap_since or time.monotonic()) if self._pending else None
 
     def _admit(self, seq: int, item: Item) -> None:
-        if type(item) is Group:  # each call admitted before the next one's frees apply, as if alone
-            tally = Tally(len(item.entries))
-            for entry in item.entries:
-                run = self._call(seq, entry)
-                if run is None:
-                    tally.left -= 1
-                    continue
-                run.tally = tally
-                self.executor.admit(run)
-            if tally.left == 0:
-                self._ran_nothing(seq)
+        if type(item) is Group:
+            self._group(seq, item)
             return
         if isinstance(item, Resume):
             self.executor.resume(item.seq, item.pc)
@@ -141,12 +132,43 @@ class Inbox:
             self._split[seq] = run
         self.executor.admit(run)
 
+    def _group(self, seq: int, group: Group) -> None:
+        """A group's calls as one run that takes them in turn. Each call's frees apply after the uses of the calls
+        before it are counted and before its own are, as if it came alone."""
+        run: Run | None = None
+        calls: list[tuple[int, tuple[int, ...], list[int] | None]] = []
+        add_uses = self.table.add_uses
+        for entry in group.entries:
+            if not self._takes(entry):
+                continue
+            if run is None:
+                run = self._run(seq, entry)
+                self.executor.count_uses(run)
+                one = len(run.ops) == 1
+                continue
+            request = entry.request
+            touched = run.call_touches(request.base, request.inputs)
+            add_uses(touched)
+            calls.append((request.base, request.inputs, touched if one else None))
+        if run is None:
+            self._ran_nothing(seq)
+            return
+        if calls:
+            calls.reverse()  # taken from the end
+            run.more, run.calls = calls, 1 + len(calls)
+        self.executor.admit(run, counted=True)
+
     def _call(self, seq: int, item: Admitted) -> Run | None:
         """The run a checked call (or, on a host past 0, a refused one) becomes; None if it runs nothing here
         (refused, or an executable it carries is refused: its outputs say why)."""
+        return self._run(seq, item) if self._takes(item) else None
+
+    def _takes(self, item: Admitted) -> bool:
+        """Whether a call runs here: a refused one, or one carrying a refused executable, fails its outputs with
+        the reason instead. Its frees apply now either way."""
         if item.refusal is not None:
             self._refuse(item)
-            return None
+            return False
         request = item.request
         if request.exes:
             try:
@@ -156,10 +178,15 @@ class Inbox:
                 template = item.template
                 self.table.fail_range(request.base, request.base + template.n_values, item.tenant,
                                       Failure(*to_wire(exc)))
-                return None
+                if request.frees:
+                    self.table.free(request.frees, item.tenant)
+                return False
         if request.frees:
             self.table.free(request.frees, item.tenant)
-        template = item.template
+        return True
+
+    def _run(self, seq: int, item: Admitted) -> Run:
+        template, request = item.template, item.request
         return Run(seq, item.tenant, item.client, template.program, template.ops, template, template.n_inputs,
                    request.base, request.inputs, end=-1 if item.end is None else item.end)
 

@@ -28,7 +28,8 @@ class Place(Op):
 @dataclass(eq=False, slots=True)
 class Tally:
     """The runs of one group (the scheduler's ``Group``: one place in the order) not finished yet, and what the
-    finished ones took: their completion is reported once, as the group's."""
+    finished ones took: their completion is reported once, as the group's. A group runs as one run until a call
+    of it must wait for an input; then its later calls become runs of their own, and the tally counts them."""
 
     left: int
     busy_s: float = 0.0
@@ -71,6 +72,10 @@ class Run:
     fragment: int = -1  # the place its fragment was first released in (its first part's seq); -1: ``seq``
     tally: Tally | None = None  # its group's, when it shares its place in the order with other calls
     touched: list[int] | None = None  # a one-op run's ``touches``, worked out once at admission
+    # A group's calls after the current one, last first: (base, inputs, touched), their uses counted at admission.
+    # The run takes each in turn (``next_call``), so a group of calls costs the executor one run.
+    more: list[tuple[int, tuple[int, ...], list[int] | None]] | None = None
+    calls: int = 1  # the calls this run stands for (a group's, until its later calls are split off)
 
     def __post_init__(self) -> None:
         if self.end < 0:
@@ -82,6 +87,33 @@ class Run:
         """Ops ``lo`` to ``hi - 1`` of this run's fragment as a run of its own (the same ids), in place ``seq``."""
         return Run(seq, self.tenant, self.client, self.label, self.ops, self.template, self.n_inputs, self.base,
                    self.inputs, pc=lo, end=hi, fragment=self.fragment)
+
+    def call_touches(self, base: int, inputs: tuple[int, ...]) -> list[int]:
+        """The ids a call of this run's template with ``base`` and ``inputs`` reads or writes, all its ops together."""
+        n = self.n_inputs
+        return [inputs[s] if s < n else base + s for s in self.template.touched]
+
+    def next_call(self) -> bool:
+        """Take the group's next call (its ops from the start, with its own ids); False if there is none."""
+        more = self.more
+        if not more:
+            return False
+        self.base, self.inputs, self.touched = more.pop()
+        self.pc = 0
+        return True
+
+    def split(self) -> list[Run]:
+        """The group's later calls as runs of their own, in order, this run and they sharing one ``Tally``: a call
+        that waits for an input must not hold back the calls behind it."""
+        more, self.more = self.more or [], None
+        rest = [Run(self.seq, self.tenant, self.client, self.label, self.ops, self.template, self.n_inputs, base,
+                    inputs, fragment=self.fragment, touched=touched) for base, inputs, touched in reversed(more)]
+        self.calls -= len(rest)
+        if rest:
+            self.tally = Tally(1 + len(rest))
+            for run in rest:
+                run.tally = self.tally
+        return rest
 
     def own_ops(self) -> tuple[Op, ...]:
         """The ops this run still has to run (from ``pc`` to ``end``)."""

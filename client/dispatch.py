@@ -146,8 +146,12 @@ def dispatch(traced: Traced, leaves: list) -> Any:
     cluster is suspended, a call waits for the resume (``pw.Timeouts.suspend``); a call under way when a suspend
     begins reaches all its islands before the client stops sending."""
     session = current()
-    with session.gate.sending(session.timeouts.suspend, f"calling {traced.program.name!r}"):
+    gate = session.gate
+    gate.enter(session.timeouts.suspend, traced.calling)
+    try:
         return _send(session, traced, leaves)
+    finally:
+        gate.leave()
 
 
 def _send(session: Session, traced: Traced, leaves: list) -> Any:

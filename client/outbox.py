@@ -48,6 +48,7 @@ class Outbox:
         self._answers: deque[tuple[Future, int, list[bytes]]] = deque()  # (answer, first message's number, batch)
         self._unsent: list[tuple[int, list[bytes]]] = []  # batches the suspended cluster did not take
         self._next = 0  # the number of the next message in this client's stream to the island
+        self._answered_since = 0  # answers come since ``_window_full`` last looked (it polls no future until one has)
         self.paused = False  # the cluster is suspended: hold everything
         self.failed: str | None = None
 
@@ -77,14 +78,19 @@ class Outbox:
                     return
 
     def _window_full(self) -> bool:
+        if self._answered_since:
+            self._answered_since = 0
+            self._drop_answered()
+        unanswered = len(self._answers)
+        return unanswered >= self._window and (len(self._held) < BATCH or unanswered >= MAX_UNANSWERED)
+
+    def _drop_answered(self) -> None:
         while self._answers and self._answers[0][0].done():
             answer, first, batch = self._answers.popleft()
             exc = answer.exception()
             if isinstance(exc, ClusterSuspendedError) or (isinstance(exc, LinkClosed) and self.paused):
                 self._unsent.append((first, batch))
                 self.paused = True
-        unanswered = len(self._answers)
-        return unanswered >= self._window and (len(self._held) < BATCH or unanswered >= MAX_UNANSWERED)
 
     def _send_one(self) -> bool:
         with self._lock:
@@ -106,6 +112,8 @@ class Outbox:
 
     def _answered(self, answer: Future) -> None:
         """Runs on the link's reader thread: only wakes the sender thread, never sends."""
+        with self._lock:
+            self._answered_since += 1
         exc = answer.exception()
         if isinstance(exc, ClusterSuspendedError):
             self.paused = True  # kept and sent again after the resume (``_window_full`` keeps the batch)
@@ -123,8 +131,8 @@ class Outbox:
         """The cluster resumed and island's host 0 takes message ``position`` of this client's stream next: send
         again from there (what it took before the suspend is not sent twice)."""
         with self._lock:
-            self.paused = True  # so that _window_full keeps every unanswered batch
-            self._window_full()
+            self.paused = True  # so that answers of "suspended" keep their batches
+            self._drop_answered()
             kept = sorted(self._unsent + [(first, batch) for _, first, batch in self._answers])
             self._answers.clear()
             self._unsent = []
@@ -145,7 +153,7 @@ class Outbox:
         while True:
             self.flush()
             with self._lock:
-                self._window_full()  # drops the answered ones
+                self._drop_answered()
                 if self.paused or (not self._held and not self._answers):
                     return True  # paused: what is held goes after the resume
                 pending = [answer for answer, _, _ in self._answers]

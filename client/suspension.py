@@ -20,7 +20,8 @@ class Gate:
     """Whether this client may send to the islands now, and how many calls are sending."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()  # entered directly on a call's way: a Condition's own enter costs more
+        self._cond = threading.Condition(self._lock)
         self._sending = 0
         self._mine = threading.local()  # how deep this thread is in ``sending`` (a call's puts are part of it)
         self.phase = RUNNING  # the cluster's phase as this client last heard it
@@ -35,23 +36,26 @@ class Gate:
         suspended cluster to resume. Within a call that holds it already, it passes at once."""
         return _Sending(self, timeout, what)
 
-    def _enter(self, timeout: float, what: str) -> None:
+    def enter(self, timeout: float, what: str) -> None:
+        """``sending``'s start, for a caller that leaves in a ``finally`` (a call's path: no object per call)."""
         mine = self._mine
         depth = getattr(mine, "depth", 0)
         if depth:
             mine.depth = depth + 1
             return
-        with self._cond:
-            self._wait_open(timeout, what)
+        with self._lock:
+            if self.phase != RUNNING:
+                self._wait_open(timeout, what)
             self._sending += 1
         mine.depth = 1
 
-    def _leave(self) -> None:
+    def leave(self) -> None:
+        """``sending``'s end."""
         mine = self._mine
-        mine.depth -= 1
-        if mine.depth:
+        depth = mine.depth = mine.depth - 1
+        if depth:
             return
-        with self._cond:
+        with self._lock:
             self._sending -= 1
             if self.phase != RUNNING:  # ``close`` waits for the calls sending now
                 self._cond.notify_all()
@@ -98,10 +102,10 @@ class _Sending:
         self._gate, self._timeout, self._what = gate, timeout, what
 
     def __enter__(self) -> None:
-        self._gate._enter(self._timeout, self._what)
+        self._gate.enter(self._timeout, self._what)
 
     def __exit__(self, *exc: object) -> None:
-        self._gate._leave()
+        self._gate.leave()
 
 
 def suspended_error(what: str, phase: str, waited: float | None = None) -> ClusterSuspendedError:

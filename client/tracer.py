@@ -403,6 +403,11 @@ class Traced:
             out[where.key] = (where, names if name in names else (*names, name))
         return out
 
+    @functools.cached_property
+    def calling(self) -> str:
+        """What a call of it is, in an error that stops one (said once, not formatted per call)."""
+        return f"calling {self.program.name!r}"
+
     @property
     def returned(self) -> set[int]:
         """Program inputs that are also outputs: a host value placed for one is never shared through the cache."""

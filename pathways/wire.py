@@ -303,14 +303,28 @@ def _compile(schema: Any) -> Check:
 def _values_check(schema: dict) -> Check:
     """A message's field values, in the schema's order: one check each, in a list of exactly that length."""
     names = tuple(schema)
-    # a field of one plain type is passed by its exact type without a call (``type(v) is int`` keeps bools out)
-    checks = tuple((name, _compile(sub), sub if sub in (int, str, bytes) else None) for name, sub in schema.items())
+    # Passed without a call: a field of one plain type by its exact type (``type(v) is int`` keeps bools out), a
+    # list of plain items whose items all are, an empty map.
+    plain = (int, str, bytes)
+    checks = tuple((name, _compile(sub), sub if sub in plain else None,
+                    sub[1] if isinstance(sub, tuple) and sub[0] == "list" and sub[1] in plain else None,
+                    isinstance(sub, tuple) and sub[0] == "map")
+                   for name, sub in schema.items())
 
     def check_values(values: Any) -> None:
         if len(values) != len(names):
             raise _Invalid(f"{len(values)} field values, not {len(names)} ({', '.join(names)})")
-        for (name, checker, exact), value in zip(checks, values):
-            if type(value) is exact:
+        for (name, checker, exact, items, is_map), value in zip(checks, values):
+            kind = type(value)
+            if kind is exact:
+                continue
+            if kind is list and items is not None:
+                for v in value:
+                    if type(v) is not items:
+                        break
+                else:
+                    continue
+            elif kind is dict and is_map and not value:
                 continue
             try:
                 checker(value)

@@ -63,6 +63,13 @@ class Admitted:
         return (self.client, self.tenant, self.payload, refusal, self.fail_lo, self.fail_hi, self.end)
 
 
+def _within(ids: tuple[int, ...], floor: int, hi: int) -> bool:
+    """Whether every id is in [floor, hi): one comparison for the usual one id, no min and max."""
+    if len(ids) == 1:
+        return floor <= ids[0] < hi
+    return not ids or floor <= min(ids) and max(ids) < hi
+
+
 class Admission:
     """Host 0's per-client streams and message checks. Thread-safe."""
 
@@ -197,10 +204,10 @@ class Admission:
                                f"{len(call.inputs)}")
         lo, hi = client << CLIENT_ID_BITS, (client + 1) << CLIENT_ID_BITS
         floor = lo or 1  # id 0 is no one's
-        last = call.base + max(template.n_values - 1, 0)
+        base = call.base
+        last = base + template.n_values - 1 if template.n_values else base
         inputs, frees = call.inputs, call.frees
-        if not (floor <= call.base and last < hi and (not inputs or floor <= min(inputs) and max(inputs) < hi)
-                and (not frees or floor <= min(frees) and max(frees) < hi)):
+        if not (floor <= base and last < hi and _within(inputs, floor, hi) and _within(frees, floor, hi)):
             self._own(client, (call.base, last), "a call's output block")  # says which id was wrong
             self._own(client, call.inputs, f"program {template.program!r}")
             self._own(client, call.frees, "a free")

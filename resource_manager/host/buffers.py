@@ -213,6 +213,16 @@ class BufferTable:
             for i in ids:
                 uses[i] = uses.get(i, 0) + 1
 
+    def free_then_use(self, frees: Sequence[int], tenant: str, ids: list[int]) -> None:
+        """A call's admission under one hold of the lock: ``free`` what it drops, then ``add_uses`` of what it
+        reads and writes (a call of a group, after the calls before it counted theirs)."""
+        with self._lock:
+            if frees:
+                self.free(frees, tenant)
+            uses = self._uses
+            for i in ids:
+                uses[i] = uses.get(i, 0) + 1
+
     def done_using(self, ids: Sequence[int], frees: Sequence[int] = (), tenant: str = "") -> None:
         """End one use of each id, dropping the doomed ones nothing uses any more; then free ``tenant``'s ``frees``
         (an op done with the last use of what its fragment drops, in one step)."""

@@ -137,18 +137,20 @@ class Inbox:
         before it are counted and before its own are, as if it came alone."""
         run: Run | None = None
         calls: list[tuple[int, tuple[int, ...], list[int] | None]] = []
-        add_uses = self.table.add_uses
+        use = self.table.free_then_use
         for entry in group.entries:
             if not self._takes(entry):
                 continue
             if run is None:
+                if entry.request.frees:
+                    self.table.free(entry.request.frees, entry.tenant)
                 run = self._run(seq, entry)
                 self.executor.count_uses(run)
                 one = len(run.ops) == 1
                 continue
             request = entry.request
             touched = run.call_touches(request.base, request.inputs)
-            add_uses(touched)
+            use(request.frees, entry.tenant, touched)
             calls.append((request.base, request.inputs, touched if one else None))
         if run is None:
             self._ran_nothing(seq)
@@ -161,11 +163,15 @@ class Inbox:
     def _call(self, seq: int, item: Admitted) -> Run | None:
         """The run a checked call (or, on a host past 0, a refused one) becomes; None if it runs nothing here
         (refused, or an executable it carries is refused: its outputs say why)."""
-        return self._run(seq, item) if self._takes(item) else None
+        if not self._takes(item):
+            return None
+        if item.request.frees:
+            self.table.free(item.request.frees, item.tenant)
+        return self._run(seq, item)
 
     def _takes(self, item: Admitted) -> bool:
         """Whether a call runs here: a refused one, or one carrying a refused executable, fails its outputs with
-        the reason instead. Its frees apply now either way."""
+        the reason instead (and its frees apply now); the caller applies a call that runs' frees."""
         if item.refusal is not None:
             self._refuse(item)
             return False
@@ -181,8 +187,6 @@ class Inbox:
                 if request.frees:
                     self.table.free(request.frees, item.tenant)
                 return False
-        if request.frees:
-            self.table.free(request.frees, item.tenant)
         return True
 
     def _run(self, seq: int, item: Admitted) -> Run:

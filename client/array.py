@@ -48,7 +48,8 @@ class Array(LocalArrayMethods):
 
     def __init__(self, session: Session, buffer_id: int, shape: tuple[int, ...], dtype: Any,
                  slice: VirtualSlice, spec: P, islands: frozenset[int], *,  # noqa: A002
-                 weak_type: bool = False, key: KeyInfo | None = None, epoch: int | None = None) -> None:
+                 weak_type: bool = False, key: KeyInfo | None = None, epoch: int | None = None,
+                 signature: object | None = None) -> None:
         self._session = session
         # the island's restart count when the buffer was made: a restart loses it
         self.epoch = session.epoch(slice.island) if epoch is None else epoch
@@ -64,7 +65,7 @@ class Array(LocalArrayMethods):
         self._local: jax.Array | None = None  # the value as a local jax.Array, once JAX code in the client used it
         self._refs: list | None = None  # fetch requests already sent (copy_to_host_async)
         self._donated: str | None = None  # the function it was donated to
-        self._signature: object | None = None  # ``signature``, once asked
+        self._signature = signature  # ``signature``, once asked (or known to its maker: a call's output)
 
     @property
     def signature(self) -> object:
@@ -72,8 +73,7 @@ class Array(LocalArrayMethods):
         token: equal for every array that traces the same, so an op-by-op call's trace is found by identity."""
         token = self._signature
         if token is None:
-            token = self._signature = signature_token(("array", self.shape, self.dtype, self.weak_type, self.slice.key,
-                                                       norm_spec(self.spec)))
+            token = self._signature = array_signature(self.shape, self.dtype, self.weak_type, self.slice, self.spec)
         return token
 
     def usable(self) -> bool:
@@ -381,6 +381,13 @@ def owned_regions(shape: tuple[int, ...], desc: SliceDesc, spec: P) -> dict[int,
 
 _SIGNATURES: dict[tuple, object] = {}
 MAX_SIGNATURES = 4096
+
+
+def array_signature(shape: tuple[int, ...], dtype: Any, weak_type: bool, slice: VirtualSlice,  # noqa: A002
+                    spec: P) -> object:
+    """``Array.signature`` of an array of this shape (a tuple), dtype (an np.dtype, or a key dtype), weak type,
+    slice and spec."""
+    return signature_token(("array", shape, dtype, weak_type, slice.key, norm_spec(spec)))
 
 
 def signature_token(signature: tuple) -> object:

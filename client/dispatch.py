@@ -20,8 +20,9 @@ from collections import OrderedDict
 from typing import Any
 
 import jax
+import numpy as np
 
-from client.array import Array, check_usable, put_host
+from client.array import Array, array_signature, check_usable, put_host
 from client.host_values import HostData, as_host_data
 from client.lowering import lower
 from client.session import Session, current
@@ -114,6 +115,9 @@ def placements(session: Session) -> Placements:
 
 def _inputs(session: Session, traced: Traced, leaves: list) -> list[Array]:
     """The program's inputs for this call: its pw.Array arguments, and its host values placed on their slices."""
+    sources = traced.sources
+    if len(sources) == 1 and type(sources[0]) is tuple:  # one pw.Array argument (op by op): nothing to place
+        return [leaves[sources[0][1]]]
     cache = placements(session)
     returned = traced.returned
     inputs: list[Array] = []
@@ -179,13 +183,32 @@ def _send(session: Session, traced: Traced, leaves: list) -> Any:
     if session.events.enabled:
         session.events.span(f"dispatch {program.name}", "dispatch", start, time.time(),
                             islands=sorted(lowered.fragments), base=base)
-    lineage = lowered.islands.union(*[a.islands for a in inputs])
-    outputs = []
-    for value, (key, weak) in zip(program.outputs, traced.out_meta):
-        if value.slot < lowered.n_inputs:
-            outputs.append(inputs[value.slot])
-        else:
-            outputs.append(Array(session, base + value.slot, value.shape[:len(value.shape) - len(key.data_shape)]
-                                 if key is not None else value.shape, value.dtype, value.slice, value.spec,
-                                 lineage, weak_type=weak, key=key))
+    lineage = lowered.islands.union(*[a.islands for a in inputs]) if len(inputs) != 1 else \
+        lowered.islands | inputs[0].islands
+    made = traced.made
+    if made is None:
+        made = traced.made = _made(traced)
+    outputs = [inputs[slot] if shape is None else
+               Array(session, base + slot, shape, dtype, where, spec, lineage, weak_type=weak, key=key,
+                     signature=token)
+               for slot, shape, dtype, where, spec, weak, key, token in made]
+    if len(outputs) == 1 and traced.program.out_tree.num_nodes == 1:
+        return outputs[0]  # one array, as tree_unflatten would give it
     return jax.tree_util.tree_unflatten(program.out_tree, outputs)
+
+
+def _made(traced: Traced) -> list[tuple]:
+    """What each output of a call is made of: its slot, and for an output the program computes, the shape, dtype,
+    slice, spec, weak type, key and trace signature of its array (shape None: it returns an input)."""
+    program = traced.program
+    n_inputs = len(program.inputs)
+    out = []
+    for value, (key, weak) in zip(program.outputs, traced.out_meta):
+        if value.slot < n_inputs:
+            out.append((value.slot, None, None, None, None, None, None, None))
+            continue
+        shape = tuple(value.shape[:len(value.shape) - len(key.data_shape)] if key is not None else value.shape)
+        dtype = key.dtype if key is not None else np.dtype(value.dtype)
+        out.append((value.slot, shape, dtype, value.slice, value.spec, weak, key,
+                    array_signature(shape, dtype, weak, value.slice, value.spec)))
+    return out

@@ -169,6 +169,11 @@ class CompiledFunction:
         """(static values, positions of the dynamic positional arguments, those arguments, dynamic keyword
         arguments): the part of ``bind`` every op-by-op call needs."""
         n = len(args)
+        if not kwargs and not self.static_argnums:  # the usual op-by-op call
+            statics = _NO_STATICS.get(n)
+            if statics is None:
+                statics = _NO_STATICS[n] = Statics(n, {}, {}, (n, (), ()))
+            return statics, list(range(n)), args, kwargs
         static_pos = {i % n: args[i] for i in self.static_argnums if -n <= i < n}  # negative: from the end
         static_kw = {k: v for k, v in kwargs.items() if k in self.static_argnames} if kwargs else {}
         if not static_pos and not static_kw:

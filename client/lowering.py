@@ -48,6 +48,9 @@ class Lowered:
     def still_placed(self) -> bool:
         """Whether every slice is where it was when this was lowered (a restart or a rejoin may move one): what
         each call checks before it sends these fragments."""
+        if len(self.slices) == 1:  # an op-by-op call's
+            s, (_, island, devices) = self.slices[0], self.placement[0]
+            return s.island == island and s.devices == devices
         return all((s.island, s.devices) == (island, devices)
                    for s, (_, island, devices) in zip(self.slices, self.placement))
 

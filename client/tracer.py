@@ -391,6 +391,7 @@ class Traced:
     donated: dict[int, str]  # program input index -> the function it is donated to
     out_meta: list[tuple[KeyInfo | None, bool]]  # per output: key info, weak_type
     lowered: Any = None
+    made: list | None = None  # what each call's outputs are made of (``client.dispatch``), worked out once
 
     @functools.cached_property
     def runs_on(self) -> dict[str, tuple[Any, tuple[str, ...]]]:
@@ -408,7 +409,7 @@ class Traced:
         """What a call of it is, in an error that stops one (said once, not formatted per call)."""
         return f"calling {self.program.name!r}"
 
-    @property
+    @functools.cached_property
     def returned(self) -> set[int]:
         """Program inputs that are also outputs: a host value placed for one is never shared through the cache."""
         n = len(self.program.inputs)

@@ -174,8 +174,7 @@ def _send(session: Session, traced: Traced, leaves: list) -> Any:
     for island, fragment in lowered.fragments.items():
         sent = session.sent_exes[island]
         exes = {h: b for h, b in fragment.exes.items() if h not in sent} if fragment.exes.keys() - sent else {}
-        payload = Call(fragment.encoded, base, input_ids, exes, tuple(session.frees.take(island))).encode()
-        session.submit(island, payload)
+        session.submit(island, Call(fragment.encoded, base, input_ids, exes, tuple(session.frees.take(island))))
         if exes:
             sent.update(exes)
     for index, to in traced.donated.items():  # after the call is on its way: the free must follow it

@@ -5,8 +5,9 @@ client's stream; the host answers each batch once it has taken it. A message goe
 ``WINDOW`` batches are unanswered, so a lone call (or a short run of them) never waits, not even for a thread
 switch: the caller sends it. Otherwise the host is still busy with earlier batches, and the message waits
 for the oldest answer together with whatever else the client dispatches meanwhile; all of them then go as one
-batch. A client dispatching faster than the host absorbs pays one frame per batch instead of one per message,
-and so does the host, which every client of the island shares.
+batch, in which calls of one program back to back are merged into one ``Calls`` message. A client
+dispatching faster than the host absorbs pays one frame per batch instead of one per message, and one message
+per run of calls instead of one per call, and so does the host, which every client of the island shares.
 
 The caller does not wait for answers to keep the host fed: a held run of ``BATCH`` messages goes as one batch
 even while the window is full (up to ``MAX_UNANSWERED`` unanswered batches). Answers are read by the link's
@@ -29,6 +30,7 @@ from typing import Any
 
 from client.link import LinkClosed
 from pathways.errors import ClusterSuspendedError, PathwaysError
+from pathways.messages import MAX_BATCH, MAX_CALLS, Call, Calls
 from pathways.requests import Batch
 
 WINDOW = 2  # batches sent and not answered yet, per island, before messages are held
@@ -44,7 +46,7 @@ class Outbox:
         self._session, self._island, self._wake, self._window = session, island, wake, window
         self._lock = threading.Lock()
         self._sending = threading.Lock()  # one sender at a time, so batches leave in their stream's order
-        self._held: list[bytes] = []
+        self._held: list[bytes | Call] = []  # encoded at sending, when calls waiting together merge
         self._answers: deque[tuple[Future, int, list[bytes]]] = deque()  # (answer, first message's number, batch)
         self._unsent: list[tuple[int, list[bytes]]] = []  # batches the suspended cluster did not take
         self._next = 0  # the number of the next message in this client's stream to the island
@@ -52,7 +54,7 @@ class Outbox:
         self.paused = False  # the cluster is suspended: hold everything
         self.failed: str | None = None
 
-    def put(self, payload: bytes) -> None:
+    def put(self, payload: bytes | Call) -> None:
         """Queue one message and send what the window allows (on this thread: if another thread is sending, this
         one waits for it rather than leave its message to a thread that may not run for a while)."""
         with self._lock:
@@ -96,7 +98,12 @@ class Outbox:
         with self._lock:
             if not self._held or self._window_full() or self.paused:
                 return False
-            batch, self._held = self._held, []
+            held = self._held
+            if len(held) > MAX_BATCH:
+                held, self._held = held[:MAX_BATCH], held[MAX_BATCH:]
+            else:
+                self._held = []
+            batch = _encoded(held)
             first = self._next
             self._next += len(batch)
         try:
@@ -163,6 +170,27 @@ class Outbox:
             wait(pending[:1], timeout=left)
 
 
+def _encoded(held: list[bytes | Call]) -> list[bytes]:
+    """The wire messages of what is held, in order: calls of one program back to back (no executables with them)
+    go as one ``Calls`` message, up to ``MAX_CALLS`` each, so the island decodes and checks the program once."""
+    out: list[bytes] = []
+    run: list[Call] = []
+    for message in held:
+        if type(message) is Call and not message.exes:
+            if run and (len(run) == MAX_CALLS or message.template != run[0].template):
+                out.append(run[0].encode() if len(run) == 1 else Calls.merge(run).encode())
+                run = []
+            run.append(message)
+            continue
+        if run:
+            out.append(run[0].encode() if len(run) == 1 else Calls.merge(run).encode())
+            run = []
+        out.append(message if type(message) is bytes else message.encode())
+    if run:
+        out.append(run[0].encode() if len(run) == 1 else Calls.merge(run).encode())
+    return out
+
+
 class Outboxes:
     """One outbox per island, and the thread that sends held messages when answers free the window."""
 
@@ -185,7 +213,7 @@ class Outboxes:
                 except Exception as exc:  # never let the sender die silently
                     log.warning("sending to an island failed: %s", exc)
 
-    def put(self, island: int, payload: bytes) -> None:
+    def put(self, island: int, payload: bytes | Call) -> None:
         """Queue one message for ``island``'s scheduler (see ``Outbox.put``)."""
         self._boxes[island].put(payload)
 

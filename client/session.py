@@ -28,7 +28,7 @@ from client.suspension import RUNNING, Gate, suspended_error
 from pathways import auth
 from pathways.errors import ClusterSuspendedError, IslandFailedError, PathwaysError, ResourceError, TenantAccessError
 from pathways.events import EventLog
-from pathways.messages import CLIENT_ID_BITS, Free
+from pathways.messages import CLIENT_ID_BITS, Call, Free
 from pathways.names import CREDENTIAL_ENV, JOB_ENV, TENANT_ENV, TICKET_FD_ENV
 from pathways.ops import Limits
 from pathways.requests import Close, HostStats, Open, Position, Quiesced, Ready, Renew, Stalled, Suspect, Usage, Watch
@@ -312,7 +312,7 @@ class Session:
             self.islands[island].links[host] = made
         return made
 
-    def submit(self, island: int, payload: bytes) -> None:
+    def submit(self, island: int, payload: bytes | Call) -> None:
         """Hand one message to an island's scheduler without waiting for it (in order; see ``client.outbox``)."""
         if island in self.dead and not self.refresh(island):
             raise IslandFailedError(f"island {island} has failed ({self.dead[island]}); it has not restarted yet")

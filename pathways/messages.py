@@ -1,8 +1,9 @@
 """The runtime's messages, each defined once: its fields, its wire schema, and its typed form.
 
-A client sends an island's scheduler three kinds, in its numbered stream:
-``Call`` (run a fragment template with these buffer ids), ``Put`` (place a host
-value on a slice) and ``Free`` (drop buffers). Hosts send each other ``Deliver``
+A client sends an island's scheduler these kinds, in its numbered stream:
+``Call`` (run a fragment template with these buffer ids), ``Calls`` (calls of one
+template sent back to back, merged), ``Put`` (place a host value on a slice) and
+``Free`` (drop buffers). Hosts send each other ``Deliver``
 (shards for a receive) and ``returned`` (leases of lent shards coming back).
 The resource manager's orders to its hosts are declared at the end; the client
 protocol's requests live in ``pathways.requests``.
@@ -24,6 +25,8 @@ from pathways.ops import MAX_SHARDS, Aval, Region, SliceDesc, WireSpec, region_o
 from pathways.wire import declare
 
 CLIENT_ID_BITS = 40  # buffer ids are (client id << 40) | counter, minted by the client
+MAX_CALLS = 256  # calls one ``Calls`` message may merge
+MAX_BATCH = 1 << 16  # messages in one batch of a client's stream, and calls, merged ones counted one by one
 MAX_ID = (1 << 63) - 1
 
 
@@ -47,6 +50,48 @@ class Call:
     def encode(self) -> bytes:
         """The message's wire bytes (a client sends one per call: the island validates it, not the sender)."""
         return wire.pack("call", self.template, self.base, self.inputs, self.exes, self.frees)
+
+
+@dataclass(slots=True)
+class Calls:
+    """Calls of one fragment template that a client sent back to back, as one message: what each ``Call`` says,
+    without the template again. A client's outbox merges calls that wait for the island together (``merge``);
+    the island checks each call alone (``split``). ``inputs`` holds every call's input ids in turn, as many per
+    call as the template takes; ``frees`` every call's frees in turn, ``free_counts[k]`` of them for call ``k``."""
+
+    template: bytes
+    bases: list[int]
+    inputs: list[int]
+    frees: list[int]
+    free_counts: list[int]
+
+    @classmethod
+    def merge(cls, calls: list[Call]) -> Calls:
+        """Calls of one template carrying no executables, as one message."""
+        return cls(calls[0].template, [c.base for c in calls], [i for c in calls for i in c.inputs],
+                   [i for c in calls for i in c.frees], [len(c.frees) for c in calls])
+
+    def encode(self) -> bytes:
+        """The message's wire bytes."""
+        return wire.pack("calls", self.template, self.bases, self.inputs, self.frees, self.free_counts)
+
+    def split(self) -> list[Call]:
+        """Each call as if sent alone; WireFormatError when the lists do not add up (at most ``MAX_CALLS`` calls)."""
+        n = len(self.bases)
+        if not 0 < n <= MAX_CALLS:
+            raise WireFormatError(f"calls: {n} calls in one message; a message merges 1 to {MAX_CALLS}")
+        counts = self.free_counts
+        if len(self.inputs) % n or len(counts) != n or sum(counts) != len(self.frees) or min(counts) < 0:
+            raise WireFormatError(f"calls: {len(self.inputs)} input ids, {len(counts)} free counts adding up to "
+                                  f"{sum(counts)} and {len(self.frees)} frees do not make {n} calls")
+        width, inputs, frees, template = len(self.inputs) // n, self.inputs, self.frees, self.template
+        out, at = [], 0
+        for k, base in enumerate(self.bases):
+            count = counts[k]
+            out.append(Call(template, base, tuple(inputs[k * width:(k + 1) * width]), {},
+                            tuple(frees[at:at + count]) if count else ()))
+            at += count
+        return out
 
 
 @dataclass(frozen=True)
@@ -78,15 +123,17 @@ class Free:
         return wire.encode("free", {"ids": list(self.ids), "everything": self.everything})
 
 
-Request = Call | Put | Free
+Request = Call | Calls | Put | Free
 
 
 def decode_request(payload: bytes) -> Request:
     """A client's message to an island, typed; raises WireFormatError when it is not one."""
-    kind, values = wire.decode_values(payload, "call", "put", "free")
+    kind, values = wire.decode_values(payload, "call", "calls", "put", "free")
     if kind == "call":
         template, base, inputs, exes, frees = values
         return Call(template, base, tuple(inputs), exes, tuple(frees))
+    if kind == "calls":
+        return Calls(*values)
     if kind == "put":
         id_, desc, spec, aval = values
         return Put(id_, SliceDesc.from_wire(desc), spec_of(spec), Aval.from_wire(aval))
@@ -146,6 +193,8 @@ class Deliver:
 
 wire.register("call", {"template": bytes, "base": int, "inputs": ("list", int), "exes": ("map", bytes),
                        "frees": ("list", int)})
+wire.register("calls", {"template": bytes, "bases": ("list", int), "inputs": ("list", int), "frees": ("list", int),
+                        "free_counts": ("list", int)})
 wire.register("put", {"id": int, "slice": wire.SLICE, "spec": wire.SPEC, "aval": wire.AVAL})
 wire.register("free", {"ids": ("list", int), "everything": ("opt", bool)})
 wire.register("deliver", {"key": int, "src": int, "host": int, "shards": ("list", ("list", ("list", int))),

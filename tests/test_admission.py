@@ -9,7 +9,7 @@ import pytest
 
 import pathways as pw
 from pathways.budgets import Budgets
-from pathways.messages import CLIENT_ID_BITS, Call, Free, Put
+from pathways.messages import CLIENT_ID_BITS, MAX_BATCH, MAX_CALLS, Call, Calls, Free, Put, decode_request
 from pathways.ops import Aval, Exec, Limits, SliceDesc, Template
 from resource_manager.host.admission import Admission
 from resource_manager.host.executables import ExecutableCache
@@ -80,6 +80,47 @@ def test_a_message_wrong_in_meaning_is_refused_alone_with_the_ids_it_would_have_
     assert words in refused.refusal.message or __import__("re").search(words, refused.refusal.message)
     if refused.fail_hi:  # its outputs' ids fail, and never ids outside the sender's space
         assert refused.fail_lo >> CLIENT_ID_BITS == CLIENT
+
+
+def test_merged_calls_are_checked_one_by_one_and_refused_alone():
+    """A ``Calls`` message is what its calls would say alone: each is admitted or refused on its own (a wrong id
+    fails only that call's outputs), and a call of it goes to the island's other hosts as the message it would be
+    alone."""
+    template = Template("p", 0, 1, {}, ()).encode()
+    calls = [Call(template, ids(10), (), {}, ()), Call(template, 7 << CLIENT_ID_BITS, (), {}, ()),
+             Call(template, ids(30), (), {}, (ids(10),))]
+    a = admission()
+    good, bad, last = a.accept(CLIENT, "alice", 0, [Calls.merge(calls).encode(), empty_call(40)])[:3]
+    assert good.refusal is None and good.request == calls[0] and last.request == calls[2]
+    assert bad.refusal.kind == "TenantAccessError" and bad.fail_hi == 0  # never fails ids outside its space
+    assert decode_request(last.row()[2]) == calls[2]  # another host decodes it as the call alone
+    assert a.position(CLIENT) == 2  # a merged message is one message of the stream
+
+
+@pytest.mark.parametrize("merged, words", [
+    (Calls(b"t", [ids(1), ids(3)], [ids(0)], [], [0, 0]), "do not make 2 calls"),  # inputs not a multiple
+    (Calls(b"t", [ids(1)], [], [ids(0)], [0]), "do not make 1 calls"),  # frees not counted
+    (Calls(b"t", [ids(1)], [], [ids(0)], [-1]), "do not make 1 calls"),
+    (Calls(b"t", [ids(k) for k in range(MAX_CALLS + 1)], [], [], [0] * (MAX_CALLS + 1)), "a message merges 1 to"),
+    (Calls(b"t", [], [], [], []), "a message merges 1 to"),
+])
+def test_a_merged_message_that_does_not_add_up_is_refused_whole(merged, words):
+    a = admission()
+    refused, fine = a.accept(CLIENT, "alice", 0, [merged.encode(), empty_call(9)])
+    assert refused.refusal.kind == "WireFormatError" and words in refused.refusal.message
+    assert fine.refusal is None and fine.request.base == ids(9)
+
+
+def test_a_batch_carries_at_most_max_batch_calls_counted_one_by_one():
+    """Merging does not let a batch carry more calls than it could carry messages: past ``MAX_BATCH`` calls, a
+    merged message is refused whole (one entry, whatever it announced)."""
+    template = Template("p", 0, 1, {}, ()).encode()
+    n = MAX_BATCH // MAX_CALLS
+    merged = [Calls(template, [ids(k * MAX_CALLS + j + 1) for j in range(MAX_CALLS)], [], [], [0] * MAX_CALLS).encode()
+              for k in range(n + 1)]
+    done = admission().accept(CLIENT, "alice", 0, merged)
+    assert len(done) == MAX_BATCH + 1 and all(e.refusal is None for e in done[:MAX_BATCH])
+    assert "more than 65536 calls" in done[-1].refusal.message
 
 
 def test_frees_of_ids_outside_the_clients_space_are_dropped():

@@ -12,7 +12,8 @@ from concurrent.futures import Future
 import pytest
 
 from client.link import LinkClosed
-from client.outbox import Outbox, Outboxes
+from client.outbox import Outbox, Outboxes, _encoded
+from pathways.messages import MAX_CALLS, Call, Free, decode_request
 
 
 class Link:
@@ -279,3 +280,18 @@ def test_the_gate_lets_calls_under_way_finish_and_new_ones_wait_for_the_resume()
     gate.reopen()
     later.join(5)
     assert log[-1] == "went on"
+
+
+def test_calls_of_one_program_waiting_together_go_as_one_merged_message_in_order():
+    """Held calls of one program back to back become one ``Calls`` message (at most ``MAX_CALLS``); a call of
+    another program, one carrying executables, or another kind of message in between keeps its place."""
+    a, b = b"program a", b"program b"
+    free = Free((7,)).encode()
+    held = ([Call(a, k, (1,), {}, (k - 1,)) for k in range(3)] + [free, Call(a, 10, (1,), {}, ())]
+            + [Call(b, 11, (), {}, ()), Call(b, 12, (), {"h": b"x"}, ()), Call(b, 13, (), {}, ())]
+            + [Call(a, 100 + k, (), {}, ()) for k in range(MAX_CALLS + 1)])
+    wire = [decode_request(m) if m != free else "free" for m in _encoded(held)]
+    kinds = [type(m).__name__ if m != "free" else m for m in wire]
+    assert kinds == ["Calls", "free", "Call", "Call", "Call", "Call", "Calls", "Call"]
+    assert wire[0].split() == held[:3] and wire[6].split() == held[8:8 + MAX_CALLS] and wire[7] == held[-1]
+    assert wire[3:6] == held[5:8]

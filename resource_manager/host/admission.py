@@ -25,13 +25,22 @@ from typing import Any
 
 from pathways.budgets import over
 from pathways.errors import PathwaysError, ProgramError, TenantAccessError, WireFormatError, to_wire
-from pathways.messages import CLIENT_ID_BITS, Call, Free, Put, Request, client_of, decode_request
+from pathways.messages import (
+    CLIENT_ID_BITS,
+    MAX_BATCH,
+    Call,
+    Calls,
+    Free,
+    Put,
+    Request,
+    client_of,
+    decode_request,
+)
 from pathways.ops import Exec, Limits, Template, TemplateCache, check_fits, declared_ops, declared_values
 from resource_manager.host.buffers import Failure
 from resource_manager.host.executables import ExecutableCache
 from resource_manager.host.grants import Grants
 
-MAX_BATCH = 1 << 16
 VERIFIED = 4096  # templates whose slice and executable checks are remembered
 log = logging.getLogger(__name__)
 
@@ -58,9 +67,13 @@ class Admitted:
         return self.refusal is None and isinstance(self.request, Call)
 
     def row(self) -> tuple:
-        """The form other hosts of the island receive (they decode the payload once themselves)."""
+        """The form other hosts of the island receive (they decode the payload once themselves; a call of a merged
+        message goes as the message it would be alone)."""
         refusal = None if self.refusal is None else (self.refusal.kind, self.refusal.message)
-        return (self.client, self.tenant, self.payload, refusal, self.fail_lo, self.fail_hi, self.end)
+        payload = self.payload
+        if not payload and type(self.request) is Call:
+            payload = self.request.encode()
+        return (self.client, self.tenant, payload, refusal, self.fail_lo, self.fail_hi, self.end)
 
 
 def _within(ids: tuple[int, ...], floor: int, hi: int) -> bool:
@@ -105,7 +118,11 @@ class Admission:
         out: list[Admitted] = []
         while expected in early:
             _, tenant, items = early.pop(expected)
-            out += [self.check(client, tenant, item) for item in items]
+            room = MAX_BATCH  # calls a batch may carry, merged ones counted one by one
+            for item in items:
+                checked = self.check(client, tenant, item, room)
+                room -= len(checked)
+                out += checked
             expected += len(items)
         self._next[client] = expected
         if not early:
@@ -159,12 +176,27 @@ class Admission:
             return sum(len(e) for e in self._early.values())
 
     # -- one message ----------------------------------------------------------------------------------------
-    def check(self, client: int, tenant: str, payload: Any) -> Admitted:
-        """Decode and check one message of ``client``; a problem refuses this message alone."""
-        request: Request | None = None
-        lo = hi = 0
+    def check(self, client: int, tenant: str, payload: Any, room: int = MAX_BATCH) -> list[Admitted]:
+        """Decode and check one message of ``client``: what it asks, one entry per call (``Calls`` merges several, at
+        most ``room``); a problem refuses that message, or that call of it, alone."""
         try:
             request = decode_request(payload)
+        except PathwaysError as exc:
+            return [Admitted(client, tenant, payload, None, None, Failure(*to_wire(exc)))]
+        if type(request) is not Calls:
+            return [self._check_one(client, tenant, payload, request)]
+        try:
+            calls = request.split()
+            if len(calls) > room:
+                raise WireFormatError(f"a batch carries more than {MAX_BATCH} calls, merged ones counted one by one")
+        except PathwaysError as exc:
+            return [Admitted(client, tenant, b"", request, None, Failure(*to_wire(exc)))]
+        return [self._check_one(client, tenant, b"", call) for call in calls]
+
+    def _check_one(self, client: int, tenant: str, payload: bytes, request: Request) -> Admitted:
+        """One decoded message (or one call of a merged one: ``payload`` empty) checked in meaning."""
+        lo = hi = 0
+        try:
             if isinstance(request, Call):
                 template = self._check_call(client, tenant, request)
                 return Admitted(client, tenant, payload, request, template)

@@ -28,7 +28,7 @@ import msgpack
 
 from pathways.errors import WireFormatError
 
-VERSION = 4
+VERSION = 5  # 5: a client's stream may carry ``calls`` (calls of one program merged)
 MAX_MESSAGE_BYTES = 1 << 30  # a single control message; executables are the largest part
 MAX_ITEMS = 1 << 20  # entries of any one list or map in a message
 

@@ -123,7 +123,7 @@ class Outbox:
             self._answered_since += 1
         exc = answer.exception()
         if isinstance(exc, ClusterSuspendedError):
-            self.paused = True  # kept and sent again after the resume (``_window_full`` keeps the batch)
+            self.paused = True  # kept and sent again after the resume (``_drop_answered`` keeps the batch)
         elif exc is not None and not isinstance(exc, LinkClosed):  # a dead island is the session's to report
             log.error("island %d refused a batch of this client's messages: %s", self._island, exc)
         if self._held:
@@ -178,17 +178,22 @@ def _encoded(held: list[bytes | Call]) -> list[bytes]:
     for message in held:
         if type(message) is Call and not message.exes:
             if run and (len(run) == MAX_CALLS or message.template != run[0].template):
-                out.append(run[0].encode() if len(run) == 1 else Calls.merge(run).encode())
+                out.append(_merged(run))
                 run = []
             run.append(message)
             continue
         if run:
-            out.append(run[0].encode() if len(run) == 1 else Calls.merge(run).encode())
+            out.append(_merged(run))
             run = []
         out.append(message if type(message) is bytes else message.encode())
     if run:
-        out.append(run[0].encode() if len(run) == 1 else Calls.merge(run).encode())
+        out.append(_merged(run))
     return out
+
+
+def _merged(run: list[Call]) -> bytes:
+    """A run of calls of one program as one message (a lone call as itself)."""
+    return run[0].encode() if len(run) == 1 else Calls.merge(run).encode()
 
 
 class Outboxes:

@@ -93,14 +93,10 @@ class Run:
         n = self.n_inputs
         return [inputs[s] if s < n else base + s for s in self.template.touched]
 
-    def next_call(self) -> bool:
-        """Take the group's next call (its ops from the start, with its own ids); False if there is none."""
-        more = self.more
-        if not more:
-            return False
-        self.base, self.inputs, self.touched = more.pop()
+    def next_call(self) -> None:
+        """Take the group's next call (its ops from the start, with its own ids); the caller knows there is one."""
+        self.base, self.inputs, self.touched = self.more.pop()
         self.pc = 0
-        return True
 
     def split(self) -> list[Run]:
         """The group's later calls as runs of their own, in order, this run and they sharing one ``Tally``: a call

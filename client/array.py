@@ -16,8 +16,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from client.host_values import HostData, KeyInfo, as_host_data, broadcast_specs, dtype_name, physical
+from client.host_values import HostData, KeyInfo, as_host_data, dtype_name, physical
 from client.interop import LocalArrayMethods, asked_by_jax, called_by_device_get, local_value, register
+from client.meshes import placement, spec_leaves
 from client.session import Session, current
 from client.slices import VirtualSlice
 from pathways.errors import ClusterSuspendedError, IslandFailedError, PathwaysError, ProgramError
@@ -25,7 +26,7 @@ from pathways.messages import Put
 from pathways.ops import Aval, SliceDesc, spec_of
 from pathways.protocol.connection import Connection
 from pathways.requests import Fetch, PutData
-from pathways.sharding import check_spec, device_indices, norm_spec, spec_to_wire
+from pathways.sharding import check_spec, device_indices, fits, norm_spec, spec_to_wire
 
 
 class Array(LocalArrayMethods):
@@ -320,35 +321,52 @@ def put(tree: Any, slice: VirtualSlice, specs: Any = None) -> Any:  # noqa: A002
 
     Returns at once: the values travel in order with this client's later messages to the island, so a
     computation dispatched afterwards finds them. On a slice that spans several hosts, each host
-    receives only the shards its devices hold.
+    receives only the shards its devices hold. A leaf that is a ``pw.Array`` already is transferred
+    (``pw.transfer``, one program for all of them) unless it lives on ``slice`` with that spec already, when
+    it is returned as it is: ``pw.put`` (and ``jax.device_put``) of arrays that live on a slice moves them.
 
     Args:
         tree: an array, a scalar, or any pytree of them (a params dict, an optax state); leaves may be
-            numpy arrays, Python or numpy scalars, ``jax.Array`` s and typed PRNG key arrays. Dtypes are
-            canonicalized as JAX does (float64 becomes float32 unless ``jax_enable_x64`` is on).
-        slice: a ``pw.VirtualSlice`` that has not been released.
-        specs: a PartitionSpec for every leaf, or a pytree prefix of ``tree`` with one per subtree;
-            None (the default, or at any place in the prefix) means replicated.
+            numpy arrays, Python or numpy scalars, ``jax.Array`` s, typed PRNG key arrays and ``pw.Array`` s.
+            Dtypes are canonicalized as JAX does (float64 becomes float32 unless ``jax_enable_x64`` is on).
+        slice: a ``pw.VirtualSlice`` that has not been released, or ``NamedSharding(s, spec)`` over one (its
+            spec then applies to every leaf).
+        specs: a PartitionSpec for every leaf, or a pytree prefix of ``tree`` with one per subtree; None (the
+            default, or at any place in the prefix) means replicated for a host value and its own spec (where
+            it fits the slice) for a ``pw.Array``.
 
     Returns:
         ``tree`` with each leaf replaced by a ``pw.Array`` future on ``slice``.
 
     Raises:
-        ProgramError: ``slice`` is not a live slice; a leaf is a ``pw.Array`` (use ``pw.transfer``) or not
-            an array; a value does not fit its canonical dtype; or a spec does not match the tree, names
-            an axis the slice lacks, or does not divide the array's shape.
+        ProgramError: ``slice`` is not a live slice; a leaf is not an array; a value does not fit its canonical
+            dtype; or a spec does not match the tree, names an axis the slice lacks, or does not divide the
+            array's shape.
     """
     session = current()
+    slice, specs = placement(slice, specs, "pw.put")  # noqa: A001
     _check_slice(slice, "pw.put")
-    spec_list = broadcast_specs(specs, tree, "pw.put: specs")
+    spec_list = spec_leaves(specs, tree, "pw.put: specs")
     paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    out = []
+    out: list = []
+    moves: list[tuple[int, Array, P]] = []
     for (path, leaf), spec in zip(paths, spec_list):
         what = "pw.put" + (f" of {jax.tree_util.keystr(path)}" if path else "")
         if isinstance(leaf, Array):
-            raise ProgramError(f"{what} got a pw.Array; use it directly, move it with pw.transfer, "
-                               "or fetch it first with np.asarray")
-        out.append(put_host(session, as_host_data(leaf, what), slice, spec, what))
+            own = leaf.spec if fits(leaf.spec, leaf.shape, slice.shape, slice.axis_names) else P()
+            spec = own if spec is None else spec
+            check_spec(spec, leaf.shape, slice.shape, slice.axis_names, what)
+            out.append(leaf)
+            if leaf.slice is not slice or norm_spec(leaf.spec) != norm_spec(spec):
+                check_usable(leaf, what)
+                moves.append((len(out) - 1, leaf, spec))
+            continue
+        out.append(put_host(session, as_host_data(leaf, what), slice, P() if spec is None else spec, what))
+    if moves:
+        from client.program import transfer_each  # the program layer sits above the arrays it moves
+
+        for (k, _, _), moved in zip(moves, transfer_each([m[1] for m in moves], slice, [m[2] for m in moves])):
+            out[k] = moved
     return jax.tree_util.tree_unflatten(treedef, out)
 
 

@@ -22,15 +22,16 @@ from jax.sharding import PartitionSpec as P
 
 from client import tracer
 from client.aot import Lowered, lower
-from client.host_values import KeyInfo, broadcast_specs, dtype_name, is_key_dtype, key_info, physical
+from client.host_values import KeyInfo, dtype_name, is_key_dtype, key_info, physical
+from client.meshes import spec_leaves, tracing_on
 from client.program import ProgramFunction
 from client.slices import VirtualSlice
 from pathways.errors import ProgramError
-from pathways.sharding import check_spec
+from pathways.sharding import check_spec, fits, norm_spec
 
 Aval = tuple[tuple[int, ...], Any, bool]  # shape, dtype (numpy or key), weak_type
 
-__all__ = ["Bound", "CompiledFunction", "ExportedCall", "Statics", "broadcast_specs", "jit"]
+__all__ = ["Bound", "CompiledFunction", "ExportedCall", "Statics", "jit"]
 
 
 @dataclass(frozen=True)
@@ -105,14 +106,15 @@ class Statics:
 @dataclass(frozen=True, eq=False)
 class Bound:
     """One call's arguments split the way jax.jit splits them: static values, and the dynamic pytree
-    ``(args, kwargs)`` whose leaves are traced, with a spec and a donate flag per leaf."""
+    ``(args, kwargs)`` whose leaves are traced, with the spec ``in_specs`` gives each leaf (None where it gives
+    none: a pw.Array keeps its own, a host value is replicated) and a donate flag per leaf."""
 
     statics: Statics
     dyn_args: tuple
     dyn_kwargs: dict[str, Any]
     leaves: list
     in_tree: Any
-    specs: list[P]
+    specs: list[P | None]
     donate: list[bool]
 
 
@@ -200,7 +202,7 @@ class CompiledFunction:
         arg_specs, kw_specs = self._arg_specs(dyn_pos, dyn_kwargs, set(statics.static_pos))
         tree = (dyn_args, dyn_kwargs)
         leaves, in_tree = jax.tree_util.tree_flatten(tree)
-        specs = broadcast_specs((tuple(arg_specs), kw_specs), tree, f"{self.name}: in_specs")
+        specs = spec_leaves((tuple(arg_specs), kw_specs), tree, f"{self.name}: in_specs")
         donated = (tuple(i in donate_nums for i in dyn_pos),
                    {k: k in self.donate_argnames for k in dyn_kwargs})
         flags: list[bool] = []
@@ -229,10 +231,10 @@ class CompiledFunction:
     def _arg_specs(self, dyn_pos: list[int], dyn_kwargs: dict[str, Any], static_nums: set[int]) -> tuple[list, dict]:
         """The spec prefix of each dynamic argument. ``in_specs`` is None or one PartitionSpec (every argument),
         a tuple/list (one entry per non-static positional argument, as jax.jit's in_shardings; a keyword
-        argument naming such a parameter takes its entry), or a dict by parameter name; arguments it does not
-        cover are replicated."""
+        argument naming such a parameter takes its entry), or a dict by parameter name; an argument it does not
+        cover gets None (a pw.Array keeps its sharding, a host value is replicated)."""
         specs = self.in_specs
-        if specs is None or isinstance(specs, P):
+        if specs is None or isinstance(specs, (P, NamedSharding)):
             return [specs] * len(dyn_pos), {k: specs for k in dyn_kwargs}
         names = self._positional
         if isinstance(specs, dict):
@@ -255,21 +257,42 @@ class CompiledFunction:
               for k in dyn_kwargs}
         return list(specs[:len(dyn_pos)]), kw
 
-    def out_prefix(self, bound: Bound) -> Any:
-        """The PartitionSpec prefix of this call's outputs (``out_specs``; replicated by default)."""
-        return P() if self.out_specs is None else self.out_specs
+    def out_prefix(self, bound: Bound, in_specs: list[P], out_shape: Any) -> Any:
+        """The PartitionSpec prefix of this call's outputs (``out_specs``); None where it gives none. ``in_specs``
+        are the arguments' specs (one per leaf), ``out_shape`` the outputs' ``jax.eval_shape``."""
+        return self.out_specs
+
+    def in_specs_of(self, slice: VirtualSlice, bound: Bound) -> list[P]:  # noqa: A002
+        """Each argument leaf's spec on ``slice``: what ``in_specs`` gives it, else, as jax.jit does for committed
+        arrays, the sharding a pw.Array (or a value of a program) has, where it fits the slice's mesh; else
+        replicated."""
+        out = []
+        for spec, leaf in zip(bound.specs, bound.leaves):
+            if spec is None:
+                own = getattr(leaf, "spec", None) if getattr(leaf, "slice", None) is not None else None
+                spec = own if own is not None and fits(own, leaf.shape, slice.shape, slice.axis_names) else P()
+            out.append(spec)
+        return out
 
     # -- export -------------------------------------------------------------------------------------
     def export(self, slice: VirtualSlice, bound: Bound, avals: list[Aval]) -> ExportedCall:  # noqa: A002
-        """The StableHLO of this function for ``slice``'s mesh and these argument avals (cached)."""
-        key = (slice.shape, slice.axis_names, bound.in_tree, tuple(avals), bound.statics)
+        """The StableHLO of this function for ``slice``'s mesh, these argument avals and the arguments' specs
+        (cached). User code is traced with the slice's mesh as JAX's context mesh."""
+        specs = self.in_specs_of(slice, bound)
+        key = (slice.mesh_key, bound.in_tree, tuple(avals), bound.statics, tuple(map(norm_spec, specs)))
         hit = self._exports.get(key)
         if hit is not None:
             return hit
+        with tracing_on(slice):
+            result = self._export(slice, bound, avals, specs)
+        self._exports[key] = result
+        return result
+
+    def _export(self, slice: VirtualSlice, bound: Bound, avals: list[Aval], specs: list[P]) -> ExportedCall:  # noqa: A002
         mesh = slice.abstract_mesh()
         statics, in_tree = bound.statics, bound.in_tree  # the closures below must not hold the arguments
         structs, keys = [], []
-        for k, ((shape, dtype, weak), spec) in enumerate(zip(avals, bound.specs)):
+        for k, ((shape, dtype, weak), spec) in enumerate(zip(avals, specs)):
             check_spec(spec, shape, slice.shape, slice.axis_names, f"{self.name}: argument {k}")
             pshape, pdtype = physical(shape, dtype)
             keys.append(key_info(dtype) if is_key_dtype(dtype) else None)
@@ -288,7 +311,8 @@ class CompiledFunction:
             sig = ", ".join(f"{dtype_name(d)}{list(s)}" for s, d, _ in avals)
             raise ProgramError(f"{self.name} cannot run on arguments ({sig}): {type(exc).__name__}: {exc}") from None
         out_leaves, out_tree = jax.tree_util.tree_flatten(out_shape)
-        out_specs = broadcast_specs(self.out_prefix(bound), out_shape, f"{self.name}: out_specs")
+        given = spec_leaves(self.out_prefix(bound, specs, out_shape), out_shape, f"{self.name}: out_specs")
+        out_specs = [typed_spec(leaf) if spec is None else spec for leaf, spec in zip(out_leaves, given)]
         for k, (leaf, spec) in enumerate(zip(out_leaves, out_specs)):
             check_spec(spec, leaf.shape, slice.shape, slice.axis_names, f"{self.name}: output {k}")
         out_keys = tuple(key_info(o.dtype) if is_key_dtype(o.dtype) else None for o in out_leaves)
@@ -304,11 +328,9 @@ class CompiledFunction:
         except Exception as exc:  # sharding or lowering errors for this signature
             raise ProgramError(f"{self.name} cannot be exported for slice {slice.shape}: {exc}") from None
         blob = bytes(exported.serialize())
-        result = ExportedCall(hashlib.sha256(blob).hexdigest(), blob, tuple(bound.specs), tuple(out_specs),
-                              tuple(physical(tuple(o.shape), o.dtype) for o in out_leaves), out_keys,
-                              tuple(bool(getattr(o, "weak_type", False)) for o in out_leaves), out_tree)
-        self._exports[key] = result
-        return result
+        return ExportedCall(hashlib.sha256(blob).hexdigest(), blob, tuple(specs), tuple(out_specs),
+                            tuple(physical(tuple(o.shape), o.dtype) for o in out_leaves), out_keys,
+                            tuple(bool(getattr(o, "weak_type", False)) for o in out_leaves), out_tree)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         trace = tracer.current_trace()
@@ -337,6 +359,13 @@ class CompiledFunction:
         return f"pw.jit({self.name} on {where})"
 
 
+def typed_spec(leaf: Any) -> P:
+    """An output's spec where ``out_specs`` gives none: on Explicit mesh axes the sharding its type carries (as
+    jax.jit's output), else replicated."""
+    sharding = getattr(leaf, "sharding", None)
+    return sharding.spec if isinstance(sharding, NamedSharding) else P()
+
+
 def jit(fn: Callable | None = None, slice: VirtualSlice | None = None, in_specs: Any = None,  # noqa: A002
         out_specs: Any = None, name: str | None = None, *, static_argnums: int | Iterable[int] | None = None,
         static_argnames: str | Iterable[str] | None = None, donate_argnums: int | Iterable[int] | None = None,
@@ -352,11 +381,15 @@ def jit(fn: Callable | None = None, slice: VirtualSlice | None = None, in_specs:
         fn: a JAX-traceable function. Without it, ``pw.jit(...)`` returns a decorator.
         slice: the ``pw.VirtualSlice`` to run on; None: the slice of its first ``pw.Array`` argument.
             Pass it by keyword.
-        in_specs: how each argument is sharded on the slice. None (replicated) or one PartitionSpec
-            for every argument; a tuple with one entry (a PartitionSpec, or a pytree prefix of them)
-            per non-static positional argument, like jax.jit's ``in_shardings``; or a dict by
-            parameter name, which also covers keyword arguments. What it does not cover is replicated.
-        out_specs: a PartitionSpec pytree prefix of the outputs (default: replicated).
+        in_specs: how each argument is sharded on the slice. None, or one PartitionSpec for every
+            argument; a tuple with one entry (a PartitionSpec, or a pytree prefix of them) per non-static
+            positional argument, like jax.jit's ``in_shardings``; or a dict by parameter name, which also
+            covers keyword arguments. ``NamedSharding(s, spec)`` over the slice stands for ``spec``. What it
+            does not cover (None) keeps its sharding, as jax.jit takes a committed array's: a pw.Array's
+            spec (where it fits the slice's mesh), a host value replicated.
+        out_specs: a PartitionSpec pytree prefix of the outputs. Where it gives none (None, the default), an
+            output takes the sharding its type carries on Explicit mesh axes (as under jax.jit), else it is
+            replicated.
         name: the name in graphs, traces and errors (default: ``fn.__name__``).
         static_argnums: positional arguments passed as Python values into the function; each
             distinct value (compared by hash and equality, with its type) is a separate export. They

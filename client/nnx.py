@@ -82,16 +82,24 @@ class NodeFunction(CompiledFunction):
 
         super().__init__(pure, slice, in_specs, out_specs, name or getattr(fn, "__name__", "fn"), **options)
 
-    def out_prefix(self, bound: Bound) -> Any:
-        """Each graph node's new state keeps the spec its argument had (``in_specs``); the result takes
-        ``out_specs``."""
+    def out_prefix(self, bound: Bound, in_specs: list[P], out_shape: Any) -> Any:
+        """Each graph node's new state keeps the specs its arrays had (``in_specs``, or a pw.Array's own), or, where
+        the call changed the node's structure, its ``in_specs`` entry; the result takes ``out_specs``."""
         statics = bound.statics
         dyn_pos = [i for i in range(statics.n_positional) if i not in statics.static_pos]
         arg_specs, kw_specs = self._arg_specs(dyn_pos, bound.dyn_kwargs, set(statics.static_pos))
-        by_pos = dict(zip(dyn_pos, arg_specs))
-        args_out = tuple(by_pos.get(i) for i in range(statics.n_positional))
-        kwargs_out = {k: kw_specs.get(k) for k in (*bound.dyn_kwargs, *statics.static_kw)}
-        return args_out, kwargs_out, P() if self.out_specs is None else self.out_specs
+        leaf_args, leaf_kwargs = jax.tree_util.tree_unflatten(bound.in_tree, in_specs)
+        args_out, kwargs_out, _ = out_shape
+
+        def keep(value: Any, given: Any, leaf_specs: Any, new_state: Any) -> Any:
+            same = jax.tree_util.tree_structure(value) == jax.tree_util.tree_structure(new_state)
+            return leaf_specs if same and _is_state(value) else given
+
+        by_pos = {i: (bound.dyn_args[j], arg_specs[j], leaf_args[j]) for j, i in enumerate(dyn_pos)}
+        return (tuple(keep(*by_pos[i], args_out[i]) if i in by_pos else None for i in range(statics.n_positional)),
+                {k: keep(bound.dyn_kwargs[k], kw_specs.get(k), leaf_kwargs[k], kwargs_out[k])
+                 if k in bound.dyn_kwargs else None for k in (*bound.dyn_kwargs, *statics.static_kw)},
+                self.out_specs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if tracer.current_trace() is not None:  # the body of the one-call program: its arguments are split
@@ -126,8 +134,9 @@ def jit(fn: Callable | None = None, *, slice: VirtualSlice | None = None, in_spe
     Args:
         fn: the function; without it, ``pw.nnx.jit(...)`` returns a decorator.
         slice, in_specs, out_specs, name, static_argnums, static_argnames, donate_argnums, donate_argnames:
-            as for ``pw.jit``. A graph node's ``in_specs`` entry (a PartitionSpec, or None: replicated)
-            applies to all of its state, and its new state keeps it. ``out_specs`` is for the result.
+            as for ``pw.jit``. A graph node's ``in_specs`` entry (a PartitionSpec) applies to all of its
+            state; without one, its arrays keep their shardings (pw.Arrays) or are replicated (new values). Its
+            new state keeps the specs its arrays had. ``out_specs`` is for the result.
 
     Returns:
         A ``NodeFunction`` (a ``pw.CompiledFunction``).

@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 from client.array import Array, check_usable
 from client.dispatch import dispatch
 from client.host_values import PYTHON_SCALARS, host_aval, is_host_value, is_key_dtype, key_info
+from client.meshes import placement
 from client.session import current
 from client.slices import VirtualSlice
 from client.tracer import (
@@ -236,7 +237,25 @@ class ProgramFunction:
         return dispatch(traced, leaves)
 
 
-_moves: dict[tuple, ProgramFunction] = {}
+_moves: dict[tuple, ProgramFunction] = {}  # the one-program transfers of each destination and specs, as used
+MAX_MOVES = 256  # programs kept in _moves; past that it starts anew (each holds its slice)
+
+
+def _move_program(key: tuple, body: Callable) -> ProgramFunction:
+    fn = _moves.get(key)
+    if fn is None:
+        if len(_moves) >= MAX_MOVES:
+            _moves.clear()
+        fn = _moves[key] = ProgramFunction(body, name="transfer")
+    return fn
+
+
+def transfer_each(values: list, slice: VirtualSlice, specs: list[P]) -> list:  # noqa: A002
+    """pw.Arrays moved to ``slice``, each resharded as its own spec, in one program (one dispatch)."""
+    specs = list(specs)
+    key = ("each", slice.key, tuple(norm_spec(s) for s in specs))
+    fn = _move_program(key, lambda vs: [transfer(v, slice, s) for v, s in zip(vs, specs)])
+    return fn(list(values))
 
 
 def transfer(value: Any, slice: Any, spec: P | None = None) -> Any:  # noqa: A002
@@ -251,7 +270,8 @@ def transfer(value: Any, slice: Any, spec: P | None = None) -> Any:  # noqa: A00
 
     Args:
         value: a ``pw.Array`` or a pytree of them (inside a program: its values, or host arrays).
-        slice: the destination ``pw.VirtualSlice``, on the same or another island.
+        slice: the destination ``pw.VirtualSlice``, on the same or another island, or ``NamedSharding(s,
+            spec)`` over one (its spec then stands for ``spec``).
         spec: the PartitionSpec on ``slice`` (default: the value's own spec).
 
     Returns:
@@ -261,6 +281,7 @@ def transfer(value: Any, slice: Any, spec: P | None = None) -> Any:  # noqa: A00
         ProgramError: ``slice`` is not a live slice, ``spec`` is not a PartitionSpec, or it does not fit
             ``slice`` (unknown axis, or it does not divide a leaf's shape).
     """
+    slice, spec = placement(slice, spec, "pw.transfer")  # noqa: A001
     if not isinstance(slice, VirtualSlice):
         raise ProgramError(f"pw.transfer needs a VirtualSlice from pw.slice(...) to move to, got "
                            f"{type(slice).__name__}")
@@ -277,10 +298,7 @@ def transfer(value: Any, slice: Any, spec: P | None = None) -> Any:  # noqa: A00
             shape = leaf.shape if hasattr(leaf, "shape") else np.shape(leaf)
             check_spec(target_spec, tuple(shape), slice.shape, slice.axis_names, "pw.transfer")
         key = (slice.key, None if spec is None else norm_spec(spec), len(leaves))
-        fn = _moves.get(key)
-        if fn is None:
-            fn = _moves[key] = ProgramFunction(lambda v: transfer(v, slice, spec), name="transfer")
-        return fn(value)
+        return _move_program(key, lambda v: transfer(v, slice, spec))(value)
 
     def move(leaf: Any) -> TracedValue:
         if isinstance(leaf, Array) or not (isinstance(leaf, InTrace) or is_host_value(leaf)):

@@ -1,4 +1,4 @@
-"""Virtual slices: a mesh shape with axis names, placed by the resource manager on one island."""
+"""Virtual slices: a mesh shape with axis names and types, placed by the resource manager on one island."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any
 
 from jax.sharding import AbstractMesh, AxisType
 
+from client import meshes
 from client.session import Session, current
 from pathways.errors import ResourceError
 from pathways.ops import SliceDesc
@@ -17,10 +18,14 @@ from pathways.requests import Allocate, Release
 class VirtualSlice:
     """Where computations run: ``shape`` over ``axis_names``, mapped one-to-one onto devices of ``island``.
 
-    Usable as a context manager: leaving the block releases it.
+    It is the mesh of what runs on it: ``axis_types`` are its axes' JAX types (Auto, or Explicit as
+    ``jax.make_mesh`` makes them), and ``NamedSharding(s, P(...))`` names a sharding on it wherever pathways or
+    ``jax.device_put`` take one (``client.meshes``). Usable as a context manager: leaving the block releases it.
     """
 
-    def __init__(self, session: Session, wire: dict) -> None:
+    _internal_device_list = None  # what NamedSharding reads of a mesh without devices (as of an AbstractMesh)
+
+    def __init__(self, session: Session, wire: dict, axis_types: tuple[AxisType, ...] | None = None) -> None:
         self._session = session
         self.key: str = wire["key"]
         self.shape: tuple[int, ...] = tuple(wire["shape"])
@@ -28,7 +33,9 @@ class VirtualSlice:
         self.island: int = wire["island"]
         self.devices: tuple[tuple[int, int], ...] = tuple((h, d) for h, d in wire["devices"])
         self.tenant: str = wire["tenant"]
+        self.axis_types: tuple[AxisType, ...] = axis_types or (AxisType.Auto,) * len(self.shape)
         self.released = False
+        self._mesh = AbstractMesh(self.shape, self.axis_names, axis_types=self.axis_types)
 
     @property
     def size(self) -> int:
@@ -44,9 +51,14 @@ class VirtualSlice:
         """The slice as islands see it: key, mesh, and (host, local device) per mesh device."""
         return SliceDesc(self.key, self.shape, self.axis_names, self.devices)
 
+    @property
+    def mesh_key(self) -> tuple:
+        """What an export for this slice depends on: its mesh's shape, axis names and axis types."""
+        return self.shape, self.axis_names, self.axis_types
+
     def abstract_mesh(self) -> AbstractMesh:
-        """The slice's mesh without devices (axis types Auto): what the client exports StableHLO against."""
-        return AbstractMesh(self.shape, self.axis_names, axis_types=(AxisType.Auto,) * len(self.shape))
+        """The slice's mesh without devices, with its axis types: what the client exports StableHLO against."""
+        return self._mesh
 
     def release(self) -> None:
         """Free the allocation; arrays on the slice stay valid until they are dropped."""
@@ -66,7 +78,8 @@ class VirtualSlice:
         return f"VirtualSlice({self.key}: {axes} on island {self.island}, devices (host, device) {list(self.devices)})"
 
 
-def slice(shape: Sequence[int], axis_names: Sequence[str], island: int | None = None) -> VirtualSlice:  # noqa: A001
+def slice(shape: Sequence[int], axis_names: Sequence[str], island: int | None = None, *,  # noqa: A001
+          axis_types: AxisType | Sequence[AxisType] | None = None) -> VirtualSlice:
     """Ask the resource manager for a virtual slice: a mesh of ``shape`` over ``axis_names`` on one island.
 
     The slice maps one-to-one onto distinct devices of a single island: the least-loaded healthy island
@@ -78,13 +91,17 @@ def slice(shape: Sequence[int], axis_names: Sequence[str], island: int | None = 
         shape: the mesh shape, e.g. ``(2, 2)``; at most as many devices as one island has.
         axis_names: one distinct, non-empty name per mesh dimension, e.g. ``("data", "model")``.
         island: the island to place it on (default: the resource manager picks).
+        axis_types: the JAX type of each mesh axis, as ``jax.make_mesh``'s (one ``jax.sharding.AxisType`` for
+            all axes is taken too): ``AxisType.Auto`` (the default: the compiler propagates shardings, as on
+            ``jax.sharding.Mesh``) or ``AxisType.Explicit`` (shardings are part of the arrays' types, as on the
+            mesh ``jax.make_mesh`` makes by default: ``jax.shard_map`` infers ``in_specs`` from the arguments).
 
     Returns:
         A ``pw.VirtualSlice``. Use it as a context manager, or ``pw.release`` it, to free the allocation.
 
     Raises:
-        ResourceError: the slice cannot exist: a malformed shape or axis names, more devices than an
-            island has, an unknown or unhealthy island, or over the tenant's device quota.
+        ResourceError: the slice cannot exist: a malformed shape, axis names or axis types, more devices than
+            an island has, an unknown or unhealthy island, or over the tenant's device quota.
         PathwaysError: ``pw.init`` was not called.
     """
     session = current()
@@ -95,10 +112,24 @@ def slice(shape: Sequence[int], axis_names: Sequence[str], island: int | None = 
                             "a sequence of names") from None
     if island is not None and (isinstance(island, bool) or not isinstance(island, int)):
         raise ResourceError(f"pw.slice: island must be an island's index, got {island!r}")
+    types = _axis_types(axis_types, len(dims))
     wire = session.request(lambda rid: Allocate(rid, dims, axes, island), "pw.slice")
-    s = VirtualSlice(session, wire)
+    s = VirtualSlice(session, wire, types)
     session.slices[s.key] = s
     return s
+
+
+def _axis_types(given: Any, n: int) -> tuple[AxisType, ...]:
+    """``pw.slice``'s ``axis_types`` as one type per axis, or a ResourceError saying what is wrong with them."""
+    if given is None:
+        return (AxisType.Auto,) * n
+    types = (given,) * n if isinstance(given, AxisType) else tuple(given) if isinstance(given, (tuple, list)) else None
+    allowed = (AxisType.Auto, AxisType.Explicit)
+    if types is None or len(types) != n or any(t not in allowed for t in types):
+        raise ResourceError(f"pw.slice: axis_types must be one jax.sharding.AxisType per axis ({n}), each "
+                            f"AxisType.Auto or AxisType.Explicit (Manual axes are what jax.shard_map makes inside), "
+                            f"got {given!r}")
+    return types
 
 
 def release(s: VirtualSlice) -> None:
@@ -111,3 +142,6 @@ def release(s: VirtualSlice) -> None:
         s: a slice from ``pw.slice``.
     """
     s.release()
+
+
+meshes.install()  # jax.set_mesh and jax.device_put take slices wherever the client is loaded

@@ -70,6 +70,15 @@ def check_spec(spec: P, shape: Sequence[int], mesh_shape: Sequence[int],
                 f"that spec {spec} asks for on mesh {dict(sizes)}")
 
 
+def fits(spec: P, shape: Sequence[int], mesh_shape: Sequence[int], axis_names: Sequence[str]) -> bool:
+    """Whether ``spec`` can shard an array of ``shape`` on the mesh (``check_spec`` without the error)."""
+    try:
+        check_spec(spec, shape, mesh_shape, axis_names)
+    except ProgramError:
+        return False
+    return True
+
+
 def coords(flat: int, mesh_shape: Sequence[int]) -> tuple[int, ...]:
     """The mesh coordinates of device ``flat`` (row-major) on a mesh of ``mesh_shape``."""
     out = []

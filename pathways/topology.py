@@ -11,13 +11,21 @@ from typing import Any
 # ((island, ((key, value), ...)), ...), both levels sorted.
 Pins = tuple[tuple[int, tuple[tuple[str, Any], ...]], ...]
 
+# The share of a GPU's memory XLA takes at start when nothing else is said (JAX's own default): a host that
+# holds a share of a GPU takes that share of it.
+GPU_MEMORY_FRACTION = 0.75
+
 
 @dataclass(frozen=True)
 class Topology:
     """How many islands, hosts per island, and JAX devices per host to start.
 
     On CPU each host simulates ``devices_per_host`` devices; on GPU it owns
-    that many real ones.
+    that many real ones. On GPU, ``gpu_share`` below 1 lets hosts share a GPU
+    (Ray's fractional GPUs): with 0.5, the hosts of two one-device islands run
+    on one GPU. Each host's XLA client then takes ``gpu_memory_fraction`` of
+    the GPU's memory (``XLA_PYTHON_CLIENT_MEM_FRACTION``; default: JAX's 0.75
+    times the share), so the hosts sharing it fit side by side.
 
     By default the hosts of an island share one Ray node and islands spread
     over the alive nodes. Two optional pins, keyed by island index, narrow that:
@@ -34,6 +42,8 @@ class Topology:
     platform: str = "cpu"
     node_labels: Mapping[int, Mapping[str, str]] | Pins = ()
     host_resources: Mapping[int, Mapping[str, float]] | Pins = ()
+    gpu_share: float = 1.0
+    gpu_memory_fraction: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("islands", "hosts_per_island", "devices_per_host"):
@@ -42,6 +52,7 @@ class Topology:
                 raise ValueError(f"Topology.{name} must be a positive int, got {value!r}")
         if self.platform not in ("cpu", "gpu"):
             raise ValueError(f"Topology.platform must be 'cpu' or 'gpu', got {self.platform!r}")
+        self._check_gpu()
         object.__setattr__(self, "node_labels", self._pins("node_labels", _check_label))
         object.__setattr__(self, "host_resources", self._pins("host_resources", _check_resource))
 
@@ -61,6 +72,35 @@ class Topology:
         if len({island for island, _ in out}) != len(out):
             raise ValueError(f"Topology.{name}: an island appears twice")
         return tuple(sorted(out))
+
+    def _check_gpu(self) -> None:
+        share, fraction = self.gpu_share, self.gpu_memory_fraction
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+            raise ValueError(f"Topology.gpu_share must be a number in (0, 1], got {share!r}")
+        if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float))
+                                     or not 0 < fraction <= share):
+            raise ValueError(f"Topology.gpu_memory_fraction must be a number in (0, gpu_share={share:g}]: the hosts "
+                             f"that share a GPU must fit in its memory together; got {fraction!r}")
+        if self.platform != "gpu" and (share != 1 or fraction is not None):
+            raise ValueError("Topology.gpu_share and gpu_memory_fraction are for platform='gpu'")
+        if share < 1 and self.devices_per_host != 1:
+            raise ValueError(f"Topology.gpu_share={share:g} shares one GPU between hosts, so each host has one "
+                             f"device; got devices_per_host={self.devices_per_host}")
+        object.__setattr__(self, "gpu_share", float(share))
+
+    @property
+    def gpus_per_host(self) -> float:
+        """The GPUs each host reserves from Ray (0 on CPU; a fraction where hosts share a GPU)."""
+        if self.platform != "gpu":
+            return 0
+        return self.gpu_share if self.gpu_share < 1 else self.devices_per_host
+
+    @property
+    def host_memory_fraction(self) -> float | None:
+        """The share of a GPU's memory each host's XLA client takes (None: JAX's default, on CPU too)."""
+        if self.gpu_memory_fraction is not None:
+            return float(self.gpu_memory_fraction)
+        return GPU_MEMORY_FRACTION * self.gpu_share if self.gpu_share < 1 else None
 
     @property
     def devices_per_island(self) -> int:
@@ -87,6 +127,10 @@ class Topology:
             pins = getattr(self, name)
             if pins:
                 out[name] = [[island, dict(pairs)] for island, pairs in pins]
+        if self.gpu_share != 1:  # the GPU options too: a whole-GPU topology keeps its form
+            out["gpu_share"] = self.gpu_share
+        if self.gpu_memory_fraction is not None:
+            out["gpu_memory_fraction"] = self.gpu_memory_fraction
         return out
 
     @classmethod
@@ -97,6 +141,8 @@ class Topology:
     def __str__(self) -> str:
         text = (f"{self.islands} island(s) x {self.hosts_per_island} host(s) x "
                 f"{self.devices_per_host} {self.platform} device(s)")
+        if self.gpu_share < 1:
+            text += f" ({self.gpu_share:g} of a GPU each)"
         pins = [f"island {i} on nodes " + ",".join(f"{k}={v}" for k, v in self.labels_of(i).items())
                 for i, _ in self.node_labels]
         pins += [f"island {i} hosts take " + ",".join(f"{k}:{v:g}" for k, v in self.resources_of(i).items())

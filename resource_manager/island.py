@@ -49,9 +49,13 @@ HUGE_PAGES = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1", "MALLOC_ARENA_MAX": "1
 
 def host_runtime_env(topology: Topology) -> dict:
     """The ``runtime_env`` of an island's host actors: on CPU, the simulated device count (set before JAX loads)
-    and the huge-page malloc settings; on GPU, the CUDA platform."""
+    and the huge-page malloc settings; on GPU, the CUDA platform and, where the topology sets one (hosts that
+    share a GPU), the share of its memory the host's XLA client takes."""
     if topology.platform == "gpu":
-        return {"env_vars": {"JAX_PLATFORMS": "cuda"}}
+        env = {"JAX_PLATFORMS": "cuda"}
+        if topology.host_memory_fraction is not None:
+            env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{topology.host_memory_fraction:.4g}"
+        return {"env_vars": env}
     flags = f"--xla_force_host_platform_device_count={topology.devices_per_host}"
     tunables = ":".join(t for t in (os.environ.get("GLIBC_TUNABLES"), HUGE_PAGES["GLIBC_TUNABLES"]) if t)
     arenas = os.environ.get("MALLOC_ARENA_MAX", HUGE_PAGES["MALLOC_ARENA_MAX"])
@@ -97,9 +101,9 @@ def restart_island(topology: Topology, island: Island, runtime_key: bytes, runti
 def _create(topology: Topology, p: IslandPlacement, epoch: int, op_timeout: float, gap_timeout: float,
             runtime_key: bytes, runtime_id: str) -> list[Any]:
     n = topology.hosts_per_island
-    gpus = topology.devices_per_host if topology.platform == "gpu" else 0
     actor = ray.remote(concurrency_groups={SCHEDULE: 1, HEALTH: 1})(HostActor)
-    options = {"num_cpus": 0, "num_gpus": gpus, "max_concurrency": 16, "runtime_env": host_runtime_env(topology)}
+    options = {"num_cpus": 0, "num_gpus": topology.gpus_per_host, "max_concurrency": 16,
+               "runtime_env": host_runtime_env(topology)}
     return [actor.options(scheduling_strategy=p.strategy_for(h), **options).remote(
                 p.island, h, n, epoch, op_timeout, gap_timeout, runtime_key, runtime_id)
             for h in range(n)]

@@ -85,7 +85,7 @@ def host_bundle(topology: Topology, island: int) -> dict[str, float]:
     """What each host of ``island`` reserves on its node."""
     bundle: dict[str, float] = {"memory": 1}
     if topology.platform == "gpu":
-        bundle["GPU"] = topology.devices_per_host
+        bundle["GPU"] = topology.gpus_per_host
     bundle.update(topology.resources_of(island))
     return bundle
 

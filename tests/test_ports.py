@@ -1,5 +1,6 @@
-"""Two real ports, Flax's NNX MNIST tutorial and Equinox's "Train RNN" example: each changes only imports, a
-slice, pw.init and the decorators, and computes what the original computes under jax.jit."""
+"""Three real ports, Flax's NNX MNIST tutorial, Equinox's "Train RNN" example and the "Neural networks" section of
+JAX's shard_map tutorial: each changes only the lines the README's porting table names, and computes what the
+original computes under jax.jit."""
 
 from __future__ import annotations
 
@@ -9,11 +10,13 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from examples import eqx_rnn, nnx_mnist
+from examples import eqx_rnn, nnx_mnist, shard_map
 from examples.eqx_rnn import jax_train as eqx_jax
 from examples.eqx_rnn import pw_train as eqx_pw
 from examples.nnx_mnist import jax_train as nnx_jax
 from examples.nnx_mnist import pw_train as nnx_pw
+from examples.shard_map import jax_train as shard_map_jax
+from examples.shard_map import pw_train as shard_map_pw
 
 PORTS = {"nnx_mnist": nnx_mnist, "eqx_rnn": eqx_rnn}
 
@@ -56,3 +59,46 @@ def test_eqx_rnn_port_gives_the_losses_and_accuracy_of_filter_jit(cluster):
     ported, ported_accuracy = eqx_pw.main(**sizes)
     np.testing.assert_allclose(ported, plain, rtol=1e-5)
     assert ported_accuracy == plain_accuracy
+
+
+# -- JAX's shard_map tutorial ("Neural networks": DP, FSDP, TP, FSDP + TP, an SPMD pipeline) ------------------
+
+
+def test_shard_map_port_changes_only_the_porting_tables_lines():
+    changed, diff = shard_map.changed_lines()
+    added = [line[1:].strip() for line in diff if line.startswith("+") and not line.startswith("+++")]
+    removed = [line[1:].strip() for line in diff if line.startswith("-") and not line.startswith("---")]
+    new = ["import pathways as pw", "pw.init(topology=pw.Topology(islands=1, hosts_per_island=1, devices_per_host=8))",
+           "pw.shutdown()"]
+    assert [line for line in added if line in new] == new, diff
+    replaced = [line for line in added if line not in new]
+    assert len(replaced) == len(removed), diff
+    kinds = []
+    for old, line in zip(removed, replaced):
+        if "pw.jit(" in line:  # jax.jit -> pw.jit, nothing else on the line
+            assert line.replace("pw.jit(", "jax.jit(") == old, (old, line)
+            kinds.append("jit")
+        elif "pw.slice(" in line:  # each mesh a slice, with the axis types jax.make_mesh gives
+            explicit = "axis_types=(Explicit,)" in line
+            assert ("jax.make_mesh(" in old and explicit) or (old.startswith("mesh = Mesh(") and not explicit), old
+            kinds.append("mesh")
+        else:  # Mesh is not used any more
+            assert (old, line) == ("from jax.sharding import Mesh, NamedSharding",
+                                   "from jax.sharding import NamedSharding"), (old, line)
+            kinds.append("import")
+    assert (kinds.count("jit"), kinds.count("mesh"), kinds.count("import")) == (15, 5, 1)
+    assert changed == len(new) + len(replaced) == 24
+
+
+def test_shard_map_port_computes_what_jax_jit_computes(cluster):
+    plain = shard_map_jax.main(4)  # this process's 4 CPU devices; the port on an island of 4 of the cluster's
+    ported = shard_map_pw.main(4)
+    assert [name for name, _ in ported] == [name for name, _ in plain]
+    for (name, want), (_, got) in zip(plain, ported):
+        if isinstance(want, bool):
+            assert got is want is True, name
+        elif isinstance(want, float):
+            np.testing.assert_allclose(got, want, rtol=1e-6, err_msg=name)
+        else:  # the pipeline's gradients, NaN where the tutorial's pipeline leaves them so
+            for w, g in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got)):
+                np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=name)

@@ -14,6 +14,7 @@ across each replica's slices, and whatever sharding each slice's PartitionSpecs 
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -30,6 +31,7 @@ from client.array import Array
 from client.host_values import broadcast_specs
 from client.jit import CompiledFunction
 from client.jit import jit as pw_jit
+from client.meshes import tracing_on
 from client.pipeline import order, schedules, timeline
 from client.pipeline.marker import END_STAGE, END_STAGE_BWD
 from client.pipeline.split import PER_MICRO, Split, Task, split_step
@@ -196,7 +198,10 @@ class Pipeline:
                 full[k] = x
             return self.fn(*jax.tree_util.tree_unflatten(treedef, full))
 
-        graph = trace_step(flat, [leaves[k] for k in arrays], set(batch), micro, self.name)
+        meshes = {where.mesh_key for replica in self.replicas for where in replica}
+        # one mesh for every slice: the step is traced with it as JAX's context mesh, as each stage is exported
+        with tracing_on(self.slices[0]) if len(meshes) == 1 else contextlib.nullcontext():
+            graph = trace_step(flat, [leaves[k] for k in arrays], set(batch), micro, self.name)
         split = split_step(graph, set(batch), self.schedule_name == "zb-h1", self.name)
         p = len(self.slices)
         if split.n_stages % p:

@@ -3,8 +3,9 @@
 The step is traced twice with ``jax.make_jaxpr``, at the micro-batch size b and at 2b. The two jaxprs
 have the same equations; a value whose shape differs between them carries the batch (its *batch axis* is
 the one that doubled), and an equation that reads or writes such a value runs once per micro-batch.
-Sub-jaxprs (``jax.jit`` inside the step, ``jax.checkpoint``) that hold stage marks are inlined, so every
-mark is an equation of the one flat list. ``client.pipeline.split`` cuts that list into stages.
+Calls inside the step (``jax.jit``) are inlined, and so is ``jax.checkpoint`` where it holds stage marks, so
+every mark, and every equation an update does for one layer, is an equation of the one flat list.
+``client.pipeline.split`` cuts that list into stages.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from client.pipeline.marker import END_STAGE, END_STAGE_BWD
 from pathways.errors import ProgramError
 
 MARKS = (END_STAGE, END_STAGE_BWD)
-CALLS = ("jit", "pjit", "closed_call", "core_call", "checkpoint", "remat")  # calls whose bodies may be inlined
+PLAIN_CALLS = ("jit", "pjit", "closed_call", "core_call")  # calls whose bodies are always inlined
+CALLS = (*PLAIN_CALLS, "checkpoint", "remat")  # calls whose bodies are inlined when they hold a stage mark
 
 
 @dataclass(frozen=True)
@@ -106,15 +108,17 @@ class _Flattener:
 
     @staticmethod
     def _callee(e: Any) -> tuple[Jaxpr, Sequence[Any]] | None:
-        """The body of a plain call (jax.jit, closed_call, jax.checkpoint) holding a mark, else None."""
-        if e.primitive.name not in CALLS:
+        """The body of a call to inline: a plain call (jax.jit, closed_call) always, so that work it does for
+        several stages at once (an optimizer's update of every layer, as optax does under jax.jit) is cut per
+        stage too; jax.checkpoint only when it holds a mark. None for any other equation."""
+        name = e.primitive.name
+        if name not in CALLS:
             return None
         for key in ("jaxpr", "call_jaxpr"):
             body = e.params.get(key)
-            if isinstance(body, ClosedJaxpr) and _has_mark(body.jaxpr):
-                return body.jaxpr, body.consts
-            if isinstance(body, Jaxpr) and _has_mark(body):
-                return body, ()
+            jaxpr, consts = (body.jaxpr, body.consts) if isinstance(body, ClosedJaxpr) else (body, ())
+            if isinstance(jaxpr, Jaxpr) and (name in PLAIN_CALLS or _has_mark(jaxpr)):
+                return jaxpr, consts
         return None
 
 

@@ -8,8 +8,9 @@ so measuring one pod and multiplying would overcount), dispatched as one
 hundred milliseconds, so the client's round trip (a few ms) costs about 1%.
 The fastest of several runs is kept: other work on the machine can only slow
 a run down, and the peak is what the devices can do, not what they did.
-For GPUs the pods' devices are taken to be the client machine's (a
-single-machine demo), and the vendor's dense datasheet peak is used.
+For GPUs the vendor's dense datasheet peak of the device kind the pods'
+hosts report is used (``dtype`` "bfloat16" for a bfloat16 model: PaLM's MFU
+is against the bf16 peak).
 """
 
 from __future__ import annotations
@@ -26,9 +27,15 @@ import pathways as pw
 from examples.palm import flops
 
 
-def _platform() -> str:
-    devices = pw.status().islands[0].hosts[0].devices
-    return devices[0].split(":")[0] if devices else "cpu"
+def _device(island: int) -> tuple[str, str]:
+    """(platform, device kind) of the first device of ``island``'s first host, as its host reports it
+    ('gpu:0 NVIDIA H200' reads ('gpu', 'NVIDIA H200'); a CPU device's kind is its platform)."""
+    for status in pw.status().islands:
+        if status.index == island and status.hosts and status.hosts[0].devices:
+            name, _, kind = status.hosts[0].devices[0].partition(" ")
+            platform = name.split(":")[0]
+            return platform, kind or platform
+    return "cpu", "cpu"
 
 
 def measure_pods_peak(slices: Sequence[pw.VirtualSlice], n: int = 1024, chain: int = 2,
@@ -64,13 +71,11 @@ def measure_pods_peak(slices: Sequence[pw.VirtualSlice], n: int = 1024, chain: i
 def pods_peak(slices: Sequence[pw.VirtualSlice], dtype: str = "float32") -> tuple[float | None, str]:
     """(peak FLOP/s of all pods together, where the number came from)."""
     devices = sum(s.size for s in slices)
-    platform = _platform()
+    platform, kind = _device(slices[0].island)
     if platform == "cpu":
         value = measure_pods_peak(slices)
         return value, (f"measured: 1024x1024 float32 matmuls on all {devices} pod devices at once, "
                        "through the runtime, timed from the client (best of 7)")
-    local = [d for d in jax.devices() if d.platform == platform]
-    kind = local[0].device_kind if local else platform
     per_device = flops.gpu_datasheet_peak(kind, dtype)
     if per_device is None:
         return None, f"unknown: no datasheet entry for {kind!r} ({dtype})"

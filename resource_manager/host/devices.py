@@ -37,8 +37,9 @@ class LocalDevices:
         return device.process_index, self._devices[device.process_index].index(device)
 
     def describe(self) -> list[str]:
-        """This host's devices as 'platform:id'."""
-        return [f"{d.platform}:{d.id}" for d in self.local]
+        """This host's devices as 'platform:id', with the device's kind after a space where it says more than the
+        platform ('gpu:0 NVIDIA H100 80GB HBM3': what a datasheet peak is looked up by)."""
+        return [f"{d.platform}:{d.id}" + (f" {d.device_kind}" if d.platform != "cpu" else "") for d in self.local]
 
     def mesh(self, desc: SliceDesc) -> Mesh:
         """The Mesh of a slice over the island's devices (cached by its shape, axes and devices)."""

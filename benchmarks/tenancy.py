@@ -1,23 +1,26 @@
 """Multi-tenancy on one island: weighted fair share of island time, and throughput of concurrent clients.
 
-    python -m benchmarks.tenancy [--seconds 20] [--runs 1] [--reps 3] [--quick]
+    python -m benchmarks.tenancy [--seconds 20] [--runs 1] [--reps 3] [--quick] [--busy N] [--fair-share-only]
+
+``--busy N`` keeps N cores busy for the whole benchmark with N processes of ``python -c "while 1: pass"`` at the
+hosts' niceness (started before the runtime, stopped at the end): the shares must hold on a machine that other
+work keeps busy, where a computation may be preempted by another process in the middle.
 
 The benchmark starts the runtime, so it holds the admin credential: it registers every tenant in the
 runtime's registry with the weight the table shows, and hands each client process only that
 tenant's credential (PATHWAYS_CREDENTIAL). No client says what its weight is.
 
-1. Fair share, ``--runs`` times, each run with four fresh tenant processes keeping small programs
-   queued on island 0 (at niceness ``--client-niceness``, 10: below the hosts, as clients on machines of
-   their own would be; on 2 shared cores a client that preempts the host in the middle of one tenant's
-   computation charges that tenant for the wait): first at weights 1:2:4:8, then (the admin changes them)
-   all at weight 1. Every client first starts up and runs one call; the phases start only once all are
-   ready (or ``--startup`` seconds have passed). The island's scheduler accounts the island time each
-   tenant receives; each phase is measured over its middle 60%, where all four stay backlogged, as a whole
-   and in every 5 s stretch of it (sliding, read every 0.5 s), with the seconds each tenant had nothing
-   queued or in flight there ("not backlogged": its client did not keep up). Printed: one line per run, a
-   table of the runs, the run with the worst 5 s stretch tenant by tenant (when its process started, when
-   its first call completed, its calls in the window, and whether a (near) 0% share means it never started
-   (with its stderr) or was starved), and, as the last line of the output,
+1. Fair share, ``--runs`` times, each run with four fresh tenant processes keeping small programs queued on
+   island 0 (at niceness ``--client-niceness``, 10: below the hosts, as clients on machines of their own would
+   be, so that they do not slow the island they measure): first at weights 1:2:4:8, then (the admin changes
+   them) all at weight 1. Every client first starts up and runs one call; the phases start only once all are
+   ready (or ``--startup`` seconds have passed). The island's scheduler accounts the island time each tenant
+   receives; each phase is measured over its middle 60%, where all four stay backlogged, as a whole and in
+   every 5 s stretch of it (sliding, read every 0.5 s), with the seconds each tenant had nothing queued or in
+   flight there ("not backlogged": its client did not keep up). Printed: one line per run, a table of the
+   runs, the run with the worst 5 s stretch tenant by tenant (when its process started, when its first call
+   completed, its calls in the window, and whether a (near) 0% share means it never started (with its stderr)
+   or was starved), and, as the last line of the output,
 
        fair share: R runs, S starved, worst error E% (whole), W% (5 s windows), Jain J
 
@@ -47,7 +50,8 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 from benchmarks.common import Table, default_out, median, process_cpu_s, write_json
 
@@ -56,7 +60,7 @@ NEAR_ZERO = 0.1  # a share below this fraction of its target counts as (near) 0%
 SUB_WINDOW_S = 5.0  # the stretches of time in which every tenant must get its share too
 IDLE_OK = 0.01  # a stretch counts as backlogged while no tenant had nothing queued for more than this fraction of it
 # The fair-share clients run below the hosts' priority, as tenants' clients on their own machines would: on 2 shared
-# cores a client that preempts the host in the middle of one tenant's computation charges that tenant for the wait.
+# cores they would otherwise slow the island they measure (what they take from a computation is not charged to it).
 CLIENT_NICENESS = 10
 
 
@@ -200,6 +204,19 @@ def start_all(tenants: list[Tenant], startup: float) -> float:
     for t in tenants:
         t.wait_for("ready", t0 + startup)
     return time.time() - t0
+
+
+@contextmanager
+def busy_cores(n: int) -> Iterator[list[int]]:
+    """``n`` processes that each keep a core busy (``while 1: pass``) until the block ends; their pids."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(n)]
+    try:
+        yield [p.pid for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait(timeout=30)
 
 
 # -- 1. weighted fair share ------------------------------------------------------------------------
@@ -494,6 +511,9 @@ def main() -> None:
     parser.add_argument("--out", default=str(default_out("tenancy")))
     parser.add_argument("--client-niceness", type=int, default=CLIENT_NICENESS,
                         help="niceness of the fair-share phases' client processes (0: the hosts' own)")
+    parser.add_argument("--busy", type=int, default=0, metavar="N",
+                        help="keep N cores busy with `python -c 'while 1: pass'` processes for the whole benchmark")
+    parser.add_argument("--fair-share-only", action="store_true", help="skip the throughput phases")
     parser.add_argument("--client", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.client:
@@ -504,13 +524,16 @@ def main() -> None:
         args.seconds, args.clients = 10.0, [1, 2]
     if args.runs < 1:
         parser.error("--runs must be at least 1")
+    if args.busy < 0:
+        parser.error("--busy must be 0 or more")
+    with busy_cores(args.busy) as busy:
+        if busy:
+            print(f"keeping {len(busy)} core(s) busy: processes {busy} run `while 1: pass` until the end", flush=True)
+        benchmark(args)
 
-    import pathways as pw
 
-    session = pw.init(topology=pw.Topology(islands=1, hosts_per_island=1, devices_per_host=2))
-    admin = pw.admin()  # this process started the runtime: it is the cluster's admin
-    runs, summary = fair_share_runs(admin, args.runs, args.seconds, args.startup, args.client_niceness)
-
+def throughput_report(admin, session, args: argparse.Namespace) -> dict:
+    """The throughput phases, printed as a table with their verdict; what the JSON record keeps of them."""
     rates, costs = throughput(admin, session, args.clients, args.reps, args.seconds, args.startup)
     medians = {n: median(r) for n, r in rates.items()}
     one = medians[args.clients[0]]
@@ -527,9 +550,22 @@ def main() -> None:
     print(table.render())
     ok = all(m >= one for m in medians.values())
     print(f"aggregate >= one client's (medians): {'MET' if ok else 'NOT MET'}")
-    path = write_json(args.out, {"fair_share_runs": runs, "fair_share": summary, "throughput": medians,
-                                 "throughput_phases": rates, "cpu_per_message": costs,
-                                 "vs_one_client": {n: m / one for n, m in medians.items()}})
+    return {"throughput": medians, "throughput_phases": rates, "cpu_per_message": costs,
+            "vs_one_client": {n: m / one for n, m in medians.items()}}
+
+
+def benchmark(args: argparse.Namespace) -> None:
+    """The fair-share runs, then (unless ``--fair-share-only``) the throughput phases, with their verdicts."""
+    import pathways as pw
+
+    session = pw.init(topology=pw.Topology(islands=1, hosts_per_island=1, devices_per_host=2))
+    admin = pw.admin()  # this process started the runtime: it is the cluster's admin
+    runs, summary = fair_share_runs(admin, args.runs, args.seconds, args.startup, args.client_niceness)
+
+    record = {"fair_share_runs": runs, "fair_share": summary, "busy_cores": args.busy}
+    if not args.fair_share_only:
+        record.update(throughput_report(admin, session, args))
+    path = write_json(args.out, record)
     print(f"wrote {path}")
     met = (summary["starved"] == 0 and (summary["worst_error"] or 0.0) <= 0.02
            and summary["worst_window_error"] <= 0.05 and (summary["jain"] or 0.0) >= 0.99)

@@ -155,6 +155,9 @@ def test_a_parked_receive_lets_the_order_move_on_and_resumes_with_its_data():
     later = host.run(one(inc, "later"), base=2000, inputs=(100,))  # runs although the receive came first
     reader = host.run(one(inc, "reader"), base=3000, inputs=(1002,))  # reads what the parked run will make
     np.testing.assert_allclose(host.fetch(2001), 1.0)
+    deadline = time.monotonic() + 10
+    while not reader.parked and time.monotonic() < deadline:  # the loop reaches it right after "later"
+        time.sleep(0.01)
     assert receiving.parked and reader.parked and later.pc == 1
     host.receiver.deliver(Deliver(1001, 1, 0, (((0, 4),),)), (np.full(4, 5.0, np.float32),), (1, 0))
     deadline = time.monotonic() + 10

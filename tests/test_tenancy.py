@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 
 import numpy as np
@@ -122,3 +123,55 @@ def test_a_burst_of_dependent_calls_is_coalesced_and_stays_in_order(cluster):
     messages = after["messages"] - before["messages"]
     calls = after["submit_calls"] - before["submit_calls"]
     assert messages >= 205 and calls < messages, (calls, messages)
+
+
+def test_a_tenant_over_op_ms_is_held_to_its_share_whatever_programs_it_makes(cluster):
+    """A tenant with op_ms at 100 ms sends four fresh programs of about 0.4 s each (the same loop with another
+    constant: refusing a program that ran too long stops nothing). From the first on it is held to its share: after
+    each it waits as long as it ran (this session, of the same weight, used the island lately), so it gets about
+    half of the island while it sends, and this session's calls meanwhile wait for at most one of its programs."""
+    env = tenant_env("hog")
+    pw.admin().set_tenant("hog", budgets={"op_ms": 100})
+    script = textwrap.dedent("""
+        import json, sys, time
+        import jax, jax.numpy as jnp, numpy as np
+        import pathways as pw
+        pw.init()
+        s = pw.slice((1,), ("x",), island=1)
+        m = pw.put(np.eye(256, dtype=np.float32), s)
+        def fresh(c):
+            return pw.jit(lambda a: jax.lax.fori_loop(0, 1500, lambda i, b: jnp.tanh(b @ a) * c, a), slice=s)
+        programs = [fresh(0.5 + k * 1e-3) for k in range(4)]
+        print("READY", flush=True)
+        sys.stdin.readline()
+        start = time.monotonic()
+        ys = [f(m) for f in programs]
+        for y in ys:
+            y.block_until_ready(timeout=120)
+        print(json.dumps({"took": time.monotonic() - start}), flush=True)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    await_line(proc, "READY", timeout=120)
+    admin = pw.admin()
+    with pw.slice((1,), ("x",), island=1) as s:
+        step = pw.jit(lambda v: v + 1.0, slice=s)
+        x = pw.put(np.zeros(4, np.float32), s)
+        x = step(x)
+        x.block_until_ready(timeout=60)
+        before = island_times(admin, 1).get("hog", 0.0)
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        waits = []
+        while proc.poll() is None:  # a call every 50 ms while the hog sends
+            time.sleep(0.05)
+            start = time.monotonic()
+            x = step(x)
+            x.block_until_ready(timeout=60)
+            waits.append(time.monotonic() - start)
+        out = result(proc)
+        hog = island_times(admin, 1)["hog"] - before
+        schedule = next(sch for sch in admin.schedules() if sch["island"] == 1)
+    assert hog / out["took"] < 0.75, (hog, out)  # about half (without the hold: all of the time it took)
+    assert max(waits) < hog / 4 * 1.5 + 0.5, (max(waits), hog)  # one of its programs, not a queue of them
+    assert schedule["tenants"]["hog"]["throttled"], schedule["tenants"]["hog"]

@@ -37,6 +37,7 @@ from pathways.events import EventLog
 from pathways.ops import Exec, Op, Recv, Send
 from resource_manager.host.buffers import BufferTable, Failure
 from resource_manager.host.handlers import Failed, Handlers
+from resource_manager.host.preemption import Preemption
 from resource_manager.host.receive import Receiver
 from resource_manager.host.run import Run
 
@@ -88,6 +89,7 @@ class Executor:
         self.completed = 0
         self.ops_run = 0
         self.busy_s = 0.0
+        self.preemption: Preemption | None = None  # made on the loop's thread, whose times it reads
         self.dead: str | None = None
         self._stopped = False
         self._thread = threading.Thread(target=self._main, name=f"executor-{island}.{host}", daemon=True)
@@ -165,6 +167,8 @@ class Executor:
     # -- the loop -----------------------------------------------------------------------------------------
     def _main(self) -> None:
         try:
+            cpu = all(d.platform == "cpu" for d in self.handlers.devices.local)
+            self.preemption = Preemption(cpu_work=cpu and not self.strict)
             self._loop()
         except BaseException as exc:  # noqa: BLE001 - whatever killed the loop must be said, not swallowed
             log.exception("island %d host %d: the executor died", self.island, self.host)
@@ -233,9 +237,30 @@ class Executor:
         return max(0.001, min(1.0, until_expiry, min(waits) + self.op_timeout - time.monotonic()))
 
     def _advance(self, run: Run) -> bool:
+        """Run what ``run`` can now; what it took of the island is measured by ``preemption`` (on a busy machine, not
+        the time other processes held the CPU meanwhile). Where reading the threads' times costs (their run-queue
+        times, off a one-host CPU island), a run found waiting last time is not measured so (it most likely waits
+        again): if it runs now, its wall time counts."""
+        meter = self.preemption
+        before = meter.sample() if run.waiting_since is None or meter.cpu_work else None
+        busy, compiled, longest = run.busy_s, run.compile_s, run.longest_s
         if run.more and run.pc == 0 and len(run.ops) == 1 and type(run.ops[0]) is Exec and not self.events.enabled:
-            return self._advance_calls(run)
-        return self._advance_ops(run)
+            progressed = self._advance_calls(run)
+        else:
+            progressed = self._advance_ops(run)
+        wall = run.busy_s - busy
+        if before is not None and wall > 0:
+            charged = meter.charge(before, wall)
+            if charged < wall:  # the run's time, its compiling and its longest computation alike, less the stolen part
+                keep = charged / wall
+                run.busy_s = busy + charged
+                run.compile_s = compiled + (run.compile_s - compiled) * keep
+                if run.longest_s > longest:
+                    run.longest_s = max(longest, run.longest_s * keep)
+                self.busy_s -= wall - charged
+            if run.compile_s > compiled:  # XLA may have started compiler threads: measure them too from now on
+                meter.look_again()
+        return progressed
 
     def _advance_calls(self, run: Run) -> bool:
         """A group of one-computation calls back to back, each as ``_advance_ops`` would run it alone; what they
@@ -441,9 +466,12 @@ class Executor:
         return out
 
     def stats(self) -> dict:
-        """The host's execution counters: queue depth, parked runs, fragments completed, ops run, busy seconds, bytes.
-        """
+        """The host's execution counters: queue depth, parked runs, fragments completed, ops run, busy seconds (and
+        ``uncharged_s``: runs' wall time not charged, other processes' and threads' time in it; ``runs_unmeasured``:
+        runs charged their wall time, the threads' times unreadable), bytes."""
         return {"queue_depth": len(self.runs) + len(self.parked), "parked": len(self.parked),
                 "completed": self.completed, "ops": self.ops_run, "busy_s": self.busy_s,
+                "uncharged_s": self.preemption.uncharged_s if self.preemption is not None else 0.0,
+                "runs_unmeasured": self.preemption.unmeasured if self.preemption is not None else 0,
                 "bytes_out": self.handlers.bytes_out, **self.receiver.stats(),
                 "lent_bytes": self.handlers.peers.lent_bytes}

@@ -24,9 +24,12 @@ has at most one fragment of its tenant in flight.
 
 Virtual time. The island's virtual time is the lowest pass, counting measured
 time only, among tenants with work queued or in flight. A new tenant starts
-there, so its first fragment goes at the next release. One that comes back
-after it was idle starts at most its weight's share of ``credit_s`` seconds of
-island time (one quantum, the window's worth) behind it: like a sleeper in a
+there, or where the places in flight then end if that is later (the lowest
+pass plus estimate among tenants with places in flight: work released before
+it came is no debt owed to it), so its first fragment goes at the next release.
+One that comes back after it was idle starts at most its weight's share of
+``credit_s`` seconds of island time (one quantum, the window's worth) behind
+that: like a sleeper in a
 stride or fair-queuing scheduler it goes first for a moment, which keeps the
 latency of a tenant that sends now and then low, but it cannot come back to a
 burst as long as it was away while everyone else waits. When the island has
@@ -41,13 +44,40 @@ than ``part_s`` (by the measured cost of its template, or more than
 ``first_part_ops`` ops when unmeasured) is released one part at a time: each
 part takes its own place in the order, chosen by fair share like any
 fragment, so no tenant's huge program holds another's small one up for
-longer than a part, on every host of the island alike.
+longer than a part, on every host of the island alike. While other tenants
+wait too, a part (and a group, below) is cut to the tenant's weight's share of
+``part_s``: a place is the unit a tenant can be ahead or behind of its share
+by, so each tenant's is in proportion to its share, and a weight-1 tenant among
+1:2:4:8 is as close to its share in any stretch of time as the weight-8 one.
 
 A computation cannot be stopped once it runs, so a tenant's ``op_ms`` budget caps
-what follows instead: once one computation of a program ran longer (host 0
-measures it), the program's later calls are released as refusals that name
-the budget, those already queued included, and the tenant cannot hold the
-island in unbreakable pieces longer than its cap, one at a time.
+what follows instead, two ways (host 0 measures; compiling counts):
+
+* A program one of whose computations ran longer is refused from then on: its
+  later calls, those already queued included, are released as refusals that
+  name the budget, until the admin raises the budget above what it took.
+* The tenant is *throttled*: once one place of its in the order (a fragment, a
+  part, a group, compiling included) held the island longer than ``op_ms``
+  without a break, every later place of its, new programs included, waits
+  until the island time its weight allows has passed. After a place of ``t``
+  seconds, none is released for ``t * W / w`` seconds, ``w`` its weight and ``W``
+  the weights of the other tenants that used the island in the last ``RECENT_S``
+  seconds (0 if none did: a tenant alone on an island keeps it busy), and at
+  most one place of its is in flight, never grouped. So a throttled tenant gets
+  at most ``w / (w + W)`` of the island's time, whether or not the others use
+  theirs, and someone calling now and then waits for at most one of its places.
+  It holds no one else up: other tenants are released as before. It is
+  forgiven once ``FORGIVE_S`` seconds passed since its last place over the
+  budget and its hold ended, or at once when the admin raised ``op_ms`` above
+  the longest place it ran. A place whose hold ends while nothing else happens
+  on the island goes out when the host's thread for it asks (``wait_due``).
+
+A compile is bounded by the same rule rather than moved off the order: it
+runs where its fragment's place is, on every host of the island alike, so the
+order stays the same everywhere (gang scheduling needs every host to launch
+the same computations in the same order, and whether an executable is
+compiled already differs from host to host), and a tenant whose fresh programs
+each compile for long is held after the first like one whose programs run long.
 
 Calls of one program queued back to back are cheap to run and dear to order
 one by one: up to ``group`` calls of a tenant's measured template that waits
@@ -86,6 +116,7 @@ FIRST_ESTIMATE_S = 1e-3  # what a fragment of a template never measured counts a
 RECENT_S = 10.0  # the window of the "recent" share that status shows while jobs run
 COSTS = 4096  # (tenant, template) costs kept, least recently used out first
 GROUP = 32  # the calls a running island's scheduler releases as one group, at most
+FORGIVE_S = 10.0  # a throttled tenant is forgiven this long after its last place over op_ms (its hold ended)
 NAMED = ("tenant_time_s", "tenant_time_recent_s", "fragments", "weights", "tenants")  # stats that name tenants
 
 
@@ -142,6 +173,16 @@ class _Flight:
     calls: int = 1  # a group's calls, each a fragment of the window
 
 
+@dataclass(slots=True)
+class _Throttle:
+    """A tenant throttled for its op_ms budget: nothing of its is released before ``until`` (monotonic), ``took``
+    is the longest place of its that went over (seconds) and ``over`` when the last one ended."""
+
+    until: float
+    took: float
+    over: float
+
+
 class Scheduler:
     """Thread-safe: admitted messages and the executors' reports arrive on different threads."""
 
@@ -151,6 +192,7 @@ class Scheduler:
         self.island, self.n_hosts = island, n_hosts
         self._op_cap_ms = op_cap_ms or (lambda tenant: 1 << 62)  # the tenant's op_ms budget, from the registry
         self._lock = threading.Lock()
+        self._due = threading.Condition(self._lock)  # ``wait_due`` waits on it for a throttled tenant's hold to end
         self.window, self.window_s, self.eager = window, window_s, eager
         self.credit_s = window_s if credit_s is None else credit_s
         self.part_s = window_s / 2 if part_s is None else part_s
@@ -167,6 +209,7 @@ class Scheduler:
         self._owed: dict[str, float] = {}  # the estimates of the tenant's fragments in flight / weight
         self._cost: OrderedDict[tuple[str, Template | None], float] = OrderedDict()  # seconds per op
         self._over_cap: OrderedDict[tuple[str, Template | None], float] = OrderedDict()  # its longest computation
+        self._throttled: dict[str, _Throttle] = {}  # one per tenant at most
         self._inflight: dict[int, _Flight] = {}
         self._blocked: dict[int, _Flight] = {}
         self._flying: dict[str, int] = {}  # tenant -> its fragments in the window
@@ -197,6 +240,8 @@ class Scheduler:
                     self._wake(entry.tenant)
                     queue = queues[entry.tenant] = deque()
                 queue.append(entry)
+            if self._throttled:  # a throttled tenant's new work may be due later: ``wait_due`` must look again
+                self._due.notify_all()
             return self._release() if len(self._inflight) < self.eager else []
 
     def charge(self, tenant: str, seconds: float) -> None:
@@ -214,22 +259,34 @@ class Scheduler:
         return bool(self._queues.get(tenant)) or self._flying.get(tenant, 0) > 0
 
     def _wake(self, tenant: str) -> None:
-        """A tenant with nothing queued or in flight starts at the virtual time if it is new, and at most its
-        share of ``credit_s`` of island time behind it if it comes back, whatever it did not use while away."""
+        """A tenant with nothing queued or in flight starts where the others are if it is new, and at most its
+        share of ``credit_s`` of island time behind them if it comes back, whatever it did not use while away.
+        Where the others are is where their places in flight end (by their estimates): a place released before
+        it came is no debt of theirs to it (a tenant alone on the island may have a window's worth running, and
+        a weight-1 tenant would wait 14 times that among 1:2:4:8 if its pass said so), and tenants that came
+        back with it and have nothing in flight yet do not pull the start of the next one back by their credit."""
         if not self._active(tenant):
             since = self._idle_since.pop(tenant, None)
             if since is not None:
                 self._idle[tenant] = self._idle.get(tenant, 0.0) + time.monotonic() - since
             vtime = self._virtual_time()
+            flying = [self._pass[t] + self._owed.get(t, 0.0) for t in self._pass if self._flying.get(t)]
             weights = self._weight(tenant) + sum(self._weight(t) for t in self._pass if self._active(t))
-            floor = vtime - self.credit_s / weights
+            floor = max(vtime, min(flying, default=vtime)) - self.credit_s / weights
             self._pass[tenant] = max(self._pass.get(tenant, vtime), floor)
 
     def _virtual_time(self) -> float:
-        """The lowest pass among tenants with work queued or in flight (it never moves back). Passes here count
+        """The lowest pass among tenants with work queued or in flight (it never moves back), a throttled tenant's
+        aside while it is held (its pass stands still then, and must not hold the clock back). Passes here count
         what was measured, not the estimates of what is still in flight: an estimate that was too high (a
         compile, a slow moment) must not move the clock that returning tenants start from."""
-        active = [p for t, p in self._pass.items() if self._active(t)]
+        throttled = self._throttled
+        if throttled:
+            now = time.monotonic()
+            active = [p for t, p in self._pass.items()
+                      if self._active(t) and not (t in throttled and throttled[t].until > now)]
+        else:
+            active = [p for t, p in self._pass.items() if self._active(t)]
         if active:
             self._vtime = max(self._vtime, min(active))
         return self._vtime
@@ -247,9 +304,70 @@ class Scheduler:
         return seq
 
     def _ready(self, tenant: str) -> bool:
-        """Whether the head of the tenant's queue may go now: not while a fragment of a template it never had
-        measured is in flight and the head is one too (unmeasured work must not fill the window)."""
+        """Whether the head of the tenant's queue may go now: not while the tenant is throttled and held, nor while
+        a fragment of a template it never had measured is in flight and the head is one too (unmeasured work must
+        not fill the window)."""
+        if self._throttled and tenant in self._throttled and not self._may_go(tenant):
+            return False
         return not self._unmeasured.get(tenant) or self._cost_of(self._queues[tenant][0]) is not None
+
+    def _may_go(self, tenant: str) -> bool:
+        """A throttled tenant's next place may go once its hold ended and nothing of its is in flight; it is
+        forgiven (no longer throttled) once ``FORGIVE_S`` passed since its last place over the budget, or the admin
+        raised its op_ms above the longest place it ran."""
+        throttle, now = self._throttled[tenant], time.monotonic()
+        if now >= throttle.until and now - throttle.over >= FORGIVE_S or throttle.took * 1e3 <= self._op_cap_ms(tenant):
+            del self._throttled[tenant]
+            return True
+        return now >= throttle.until and not self._flying.get(tenant)
+
+    def _throttle(self, tenant: str, busy: float, over: bool, now: float) -> None:
+        """``tenant``'s place just took ``busy`` seconds of the island (``over`` its op_ms budget): hold its next
+        one until its weight's share of the island time since allows it, against the others that used the island
+        in the last ``RECENT_S`` seconds."""
+        recent = {t for _, bucket in self._recent for t in bucket} | {t for t in self._pass if self._active(t)}
+        recent.discard(tenant)
+        others = sum(self._weight(t) for t in recent)
+        until = now + busy * others / self._weight(tenant)
+        throttle = self._throttled.get(tenant)
+        if throttle is None:
+            throttle = self._throttled[tenant] = _Throttle(until, busy, now)
+            self._pass[tenant] = max(self._pass[tenant], self._virtual_time())  # throttled: no credit to spend
+        throttle.until = max(throttle.until, until)
+        if over:
+            throttle.took, throttle.over = max(throttle.took, busy), now
+        self._due.notify_all()
+
+    def due(self) -> float | None:
+        """When (``time.monotonic``) the first throttled tenant with work queued and nothing in flight may go again;
+        None if there is none."""
+        with self._lock:
+            return self._next_due()
+
+    def _next_due(self) -> float | None:
+        times = [th.until for t, th in self._throttled.items() if self._queues.get(t) and not self._flying.get(t)]
+        return min(times, default=None)
+
+    def wait_due(self, timeout: float) -> Released:
+        """Wait up to ``timeout`` seconds for a throttled tenant's hold to end while it has work queued; what that
+        releases. The host calls it in a loop: when a hold ends on an island that has nothing else to do, nothing
+        else would release the held work."""
+        with self._due:
+            deadline = time.monotonic() + timeout
+            tried = False  # released nothing though a hold ended (the window is full): wait for a change
+            while True:
+                now = time.monotonic()
+                due = self._next_due()
+                if due is not None and due <= now and not tried:
+                    released = self._release()
+                    if released:
+                        return released
+                    tried = True
+                wake = deadline if due is None or tried else min(deadline, due)
+                if wake <= now:
+                    return []
+                notified = self._due.wait(wake - now)
+                tried = tried and not notified
 
     def _cost_of(self, item: Admitted | _Rest) -> float | None:
         """Seconds per op of the item's template for its tenant; None if never measured. A message that runs
@@ -270,6 +388,7 @@ class Scheduler:
         queues, inflight, costs = self._queues, self._inflight, self._cost
         window, window_s = self.window, self.window_s
         while self._inflight_calls < window and (not inflight or self._inflight_s < window_s):
+            span = self.part_s  # the island time one place of the tenant's may take, by its estimate
             if len(queues) == 1:  # one tenant with work: no one to choose between (the common case, kept cheap)
                 tenant = next(iter(queues))
                 if not self._ready(tenant):
@@ -278,8 +397,12 @@ class Scheduler:
                 ready = [t for t in queues if self._ready(t)]
                 if not ready:
                     break
-                tenant = ready[0] if len(ready) == 1 else min(
-                    ready, key=lambda t: (self._pass[t] + self._owed.get(t, 0.0), t))
+                if len(ready) == 1:
+                    tenant = ready[0]
+                else:
+                    tenant = min(ready, key=lambda t: (self._pass[t] + self._owed.get(t, 0.0), t))
+                    weights = self._weights  # while others wait, a place takes at most its tenant's share of a part
+                    span *= weights.get(tenant, 1.0) / sum(weights.get(t, 1.0) for t in ready)
             queue = queues[tenant]
             item = queue.popleft()
             if not queue:
@@ -300,7 +423,7 @@ class Scheduler:
                 costs.move_to_end(key)
             lo = item.lo if rest else 0
             n_ops = len(entry.template.ops) if entry.template is not None else 1
-            part = self.first_part_ops if cost is None else max(1, int(self.part_s / max(cost, 1e-9)))
+            part = self.first_part_ops if cost is None else max(1, int(span / max(cost, 1e-9)))
             hi = min(n_ops, lo + part)
             ops, calls = hi - lo, 1
             if rest:
@@ -309,7 +432,9 @@ class Scheduler:
                 released.append((seq, replace(entry, end=hi)))
                 self._fragments[tenant] = self._fragments.get(tenant, 0) + 1
             else:
-                more = self._follow(tenant, entry, cost * n_ops) if cost is not None and self.group > 1 else []
+                alone = self._throttled and tenant in self._throttled  # a throttled tenant's places are never grouped
+                more = self._follow(tenant, entry, cost * n_ops, span) \
+                    if cost is not None and self.group > 1 and not alone else []
                 released.append((seq, Group((entry, *more)) if more else entry))
                 calls += len(more)
                 self._fragments[tenant] = self._fragments.get(tenant, 0) + calls
@@ -327,15 +452,15 @@ class Scheduler:
                 self._unmeasured[tenant] = self._unmeasured.get(tenant, 0) + 1
         return released
 
-    def _follow(self, tenant: str, first: Admitted, call_s: float) -> list[Admitted]:
+    def _follow(self, tenant: str, first: Admitted, call_s: float, span: float) -> list[Admitted]:
         """The tenant's calls of ``first``'s template queued right behind it that may share its place in the order:
-        at most ``group`` in all, estimated within one part (``call_s`` seconds each)."""
+        at most ``group`` in all, estimated within ``span`` seconds (``call_s`` seconds each)."""
         template = first.template
         queue = self._queues.get(tenant)
         if not queue or template.receives:
             return []
         more: list[Admitted] = []
-        room, limit = self.part_s - call_s, min(self.group, self.window - self._inflight_calls) - 1
+        room, limit = span - call_s, min(self.group, self.window - self._inflight_calls) - 1
         while queue and len(more) < limit and room >= call_s:
             head = queue[0]
             if type(head) is not Admitted or head.template is not template or head.refusal is not None:
@@ -358,18 +483,21 @@ class Scheduler:
         error = ResourceError(
             f"over your op_ms budget: a computation of program {template.program!r} ran {took * 1e3:.0f} ms on island "
             f"{self.island}, over the limit of {cap} ms, and a running computation cannot be stopped, so the program "
-            "is refused from now on; split the work into shorter computations (fewer loop iterations or layers per "
-            "call), or ask the cluster's admin to raise it (pathways tenants set NAME --budget op_ms=N)")
+            "is refused from now on (and your other work there is held to your share of the island's time for a "
+            "while); split the work into shorter computations (fewer loop iterations or layers per call), or ask "
+            "the cluster's admin to raise it (pathways tenants set NAME --budget op_ms=N)")
         base = entry.request.base
         return replace(entry, refusal=Failure(*to_wire(error)), fail_lo=base, fail_hi=base + template.n_values)
 
     # -- reports ------------------------------------------------------------------------------------------
     def completed(self, reports: list[list]) -> Released:
         """Host 0 reports (seq, island seconds[, seconds of them compiling[, its longest computation]]) for
-        finished fragments: charge each to its tenant, all of it, learn its template's cost per op from the time it
-        ran, compiling aside, and mark the template over its tenant's op_ms budget if one computation ran longer."""
+        finished places: charge each to its tenant, all of it, learn its template's cost per op from the time it
+        ran, compiling aside, mark the template over its tenant's op_ms budget if one computation ran longer, and
+        throttle the tenant if the place held the island longer (or hold it again if it is throttled)."""
         with self._lock:
-            second = int(time.monotonic())
+            now = time.monotonic()
+            second = int(now)
             caps: dict[str, int] = {}  # each tenant's op_ms budget, looked up once per report
             for seq, busy, *rest in reports:
                 flight = self._leave_window(seq) or self._blocked.pop(seq, None)
@@ -389,6 +517,9 @@ class Scheduler:
                     self._over_cap[flight.key] = max(longest, self._over_cap.pop(flight.key, 0.0))
                     while len(self._over_cap) > COSTS:
                         self._over_cap.popitem(last=False)
+                over = busy * 1e3 > cap
+                if over or self._throttled and tenant in self._throttled:
+                    self._throttle(tenant, busy, over, now)
             self._end_busy_period()
             return self._release()
 
@@ -456,7 +587,8 @@ class Scheduler:
         """The scheduler's counters: sequence numbers issued, window, queued/in-flight/blocked fragments, and each
         tenant's island time (since start and over the last ``RECENT_S`` seconds), fragments, weight, and where it
         stands (``lag_s``: island seconds it is ahead of its share, negative when behind; queued; in flight;
-        ``idle_s``: seconds it had nothing queued or in flight, so that "backlogged" can be checked)."""
+        ``idle_s``: seconds it had nothing queued or in flight, so that "backlogged" can be checked; ``throttled``
+        for its op_ms budget, and ``held_s``: seconds until its next place may go)."""
         with self._lock:
             horizon = time.monotonic() - RECENT_S
             recent: dict[str, float] = {}
@@ -468,7 +600,9 @@ class Scheduler:
             now = time.monotonic()
             tenants = {t: {"lag_s": (p - vtime) * self._weight(t), "queued": len(self._queues.get(t, ())),
                            "inflight": self._flying.get(t, 0),
-                           "idle_s": self._idle.get(t, 0.0) + now - self._idle_since.get(t, now)}
+                           "idle_s": self._idle.get(t, 0.0) + now - self._idle_since.get(t, now),
+                           "throttled": t in self._throttled,
+                           "held_s": max(0.0, self._throttled[t].until - now) if t in self._throttled else 0.0}
                        for t, p in self._pass.items()}
             return {"tenant_time_recent_s": recent, "island": self.island, "sequenced": self._seq,
                     "window": self.window, "window_s": self.window_s, "inflight_s": self._inflight_s,

@@ -5,16 +5,20 @@ The hostile tenant holds nothing but its own credential, as any tenant does: it 
 that speaks the runtime's protocol (no Ray), and tries to act for the victim, read or change its data, or
 starve it: claiming the victim's session, the admin's operations, the hosts' data ports without the runtime's
 key, a guessed job ticket, frames replayed to another island, fetches that never return, programs of 65,536
-ops, bursts of long computations, a gigabyte of host memory, sessions and connections by the dozen, ten
-thousand cheap requests, and its session after the admin rotated its credential. The victim's latency alone
-is measured first. The last line:
+ops, bursts of long computations, fresh long programs (and programs that compile long) one after another under
+its op_ms budget, a gigabyte of host memory, sessions and connections by the dozen, ten
+thousand cheap requests, job archives announced without a credential, and its session after the admin rotated
+its credential. Its jobs' hostile processes (reading another tenant's job, the runtime's files, Ray) need a
+runtime started by `pathways up` as root, where each tenant's jobs run as a user of its own: tests/test_cli.py
+and tests/test_job_runner.py try those. The victim's latency alone is measured first. The last line:
 
     hostile tenant: A abuses, victim served S/N, worst victim latency L ms (alone M ms), lost 0
 
 The goal: S = N, nothing lost, and L within 3x of M plus the victim's fair share of one abuse's op: a running
 computation cannot be stopped, so a victim that arrives just after one started waits for it; the line before
 the last compares L with 3 M plus the longest computation an abuse ran, as the hosts measured it. The hostile
-tenant's op_ms budget (100 ms) refuses a program once one of its computations ran longer.
+tenant's op_ms budget (100 ms) refuses a program once one of its computations ran longer, and holds the tenant,
+whatever programs it makes, to its share of the island once one of its places (compiling included) ran longer.
 
     python -m benchmarks.hostile_tenant [--quick] [--out PATH]
 """
@@ -60,6 +64,35 @@ def _connect(session: Any, island: int | None, client: int, key: bytes | None) -
     return connect(address, client if key else 0, key, lambda identity: None, 1 << 30, 1 << 30)
 
 
+def _host_rss(session: Any, island: int = 0) -> int:
+    import psutil
+
+    return psutil.Process(session.host_stats(island)["pid"]).memory_info().rss
+
+
+def _raise_answer(frame: Any) -> None:
+    """The error an endpoint answered with (a refusal of no request of ours), raised."""
+    from pathways import wire
+    from pathways.errors import from_wire
+    from pathways.requests import Answer
+
+    answer = wire.parse(frame.payload, Answer)
+    if not answer.ok:
+        raise from_wire(*answer.value)
+
+
+def _newcomer(session: Any, crowd: str) -> str:
+    """How long a new session of this tenant takes to open while ``crowd`` waits at the door."""
+    from client.session import Session
+
+    start = time.monotonic()
+    try:
+        Session(session.address, session.tenant, session.timeouts, os.environ["PATHWAYS_CREDENTIAL"]).close()
+    except Exception as exc:  # a refusal is the outcome
+        return f"with {crowd}, a new session was refused: {type(exc).__name__}: {str(exc)[:100]}"
+    return f"with {crowd}, a new session opened in {(time.monotonic() - start) * 1e3:.0f} ms"
+
+
 def abuse(name: str, victim_client: int) -> dict:
     """Run one abuse as the hostile tenant; returns what happened, as the runtime answered it."""
     import jax
@@ -71,6 +104,7 @@ def abuse(name: str, victim_client: int) -> dict:
     from pathways.messages import Call
     from pathways.ops import Send, Template
     from pathways.protocol import frames
+    from pathways.protocol.address import parse_address
     from pathways.requests import AdminOp, Answer, Fetch, Open, Ping, State
 
     session = pw.init(timeouts=pw.Timeouts(fetch=60.0))
@@ -154,6 +188,37 @@ def abuse(name: str, victim_client: int) -> dict:
         out["longest_op_ms"] = max(e["dur"] / 1e3 for e in spans if e.get("cat") == "exec")
         out["outcome"] = (f"{ran} long computations ran, the longest {out['longest_op_ms']:.0f} ms, charged to it; "
                           f"{len(refusals)} refused: {refusals[0][:60] if refusals else '-'}")
+    elif name in ("fresh long programs under its op_ms, 12 at once", "fresh programs that compile long, 4 at once"):
+        # A refused program is no obstacle: the same loop with another constant is a program never seen. Each runs
+        # (or compiles) past its op_ms; the tenant, not the program, is held to its share from the first one on.
+        compiling = name.startswith("fresh programs that compile")
+        iters = int(LONG_OP_S * 1.4e11 / (2 * 256**3))
+
+        def fresh(c: float) -> Any:
+            if compiling:  # an unrolled chain compiles for long and runs in a moment
+                def unrolled(a):
+                    for k in range(30):
+                        a = jnp.tanh(a[:64, :64] @ a[:64, :64].T + c * k)
+                    return a
+                return pw.jit(unrolled, slice=s)
+            return pw.jit(lambda m: jax.lax.fori_loop(0, iters, lambda i, a: jnp.tanh(a @ m) * c, m), slice=s)
+
+        m = pw.put(np.eye(256, dtype=np.float32), s)
+        start, ran, refusals = time.monotonic(), 0, []
+        trace = Path(tempfile.mkdtemp()) / "trace.json"
+        with pw.trace(trace):
+            for y in [fresh(0.5 + k * 1e-3)(m) for k in range(4 if compiling else 12)]:
+                try:
+                    y.block_until_ready(timeout=120)
+                    ran += 1
+                except pw.ResourceError as exc:
+                    refusals.append(str(exc))
+        took = time.monotonic() - start
+        spans = json.loads(trace.read_text())["traceEvents"]
+        out["longest_op_ms"] = max(e["dur"] / 1e3 for e in spans if e.get("cat") == "exec")
+        out["outcome"] = (f"{ran} ran in {took:.1f}s, the longest {out['longest_op_ms']:.0f} ms "
+                          f"({'compiling' if compiling else 'computing'}), each over op_ms and held to its share "
+                          f"after it; {len(refusals)} refused")
     elif name == "a gigabyte of host memory":
         out["outcome"] = _refused(lambda: pw.put(np.ones(1 << 28, np.float32), s).block_until_ready(timeout=60))
     elif name == "sessions and connections by the dozen":
@@ -189,6 +254,73 @@ def abuse(name: str, victim_client: int) -> dict:
             conn.skip(frame.data)
         out["outcome"] = f"answered in {time.monotonic() - start:.1f}s"
         session.rm.call(lambda rid: State(rid), 30)
+    elif name == "slow handshakes at every endpoint, 200 each":
+        half_open = []
+        for address in (session.address, session.islands[0].hosts[0]["client"]):
+            for _ in range(200):
+                sock = socket.create_connection(parse_address(address), timeout=10)
+                sock.sendall(b"P")  # one byte of a hello, and nothing more
+                half_open.append(sock)
+        out["outcome"] = _newcomer(session, f"{len(half_open)} connections half-open")
+        for sock in half_open:
+            sock.close()
+    elif name == "idle anonymous connections, 150":
+        idle = [_connect(session, None, 0, None) for _ in range(150)]
+        out["outcome"] = _newcomer(session, f"{len(idle)} anonymous connections idle")
+        for conn in idle:
+            conn.close()
+    elif name == "unauthenticated connections to a data port, 300":
+        import psutil
+
+        host = psutil.Process(session.host_stats(0)["pid"])
+        ip, port = pw.status().islands[0].hosts[0].data.rsplit(":", 1)
+        threads = host.num_threads()
+        socks = [socket.create_connection((ip.strip("[]"), int(port)), timeout=10) for _ in range(300)]
+        time.sleep(1.0)  # the host had time to start a thread for each, had it wanted to
+        grew = host.num_threads() - threads
+        for sock in socks:
+            sock.close()
+        out["outcome"] = f"the host's threads grew by {grew} for 300 connections that never proved themselves"
+    elif name == "three messages announcing a gigabyte each":
+        rss = _host_rss(session)
+        answers = []
+        for _ in range(3):
+            conn = _connect(session, 0, session.client_id, session._key)
+            prefix = frames.PREFIX.pack(1 << 30, 0, 1)
+            conn.sock.sendall(prefix + frames.mac(conn._key, frames.TO_SERVER, prefix, b"") + b"x" * (1 << 20))
+            answers.append(_refused(lambda c=conn: _raise_answer(c.recv())))
+        out["outcome"] = f"host memory +{(_host_rss(session) - rss) >> 20} MiB; {answers[-1]}"
+    elif name == "24 batches of 64 MiB far ahead of its stream":
+        from pathways.requests import Batch
+
+        conn = _connect(session, 0, session.client_id, session._key)
+        rss, refusals = _host_rss(session), []
+        template = Template("ahead", 0, 1, {}, ()).encode()
+        for k in range(24):
+            msg = Call(template, session.mint(1), (), {}, ()).encode() + bytes(64 << 20)
+            conn.send(Batch(k + 1, (1 << 40) + k, [msg]).encode())
+            frame = conn.recv()
+            answer = wire.parse(frame.payload, Answer)
+            if not answer.ok:
+                refusals.append(answer.value[1])
+        out["outcome"] = (f"host memory +{(_host_rss(session) - rss) >> 20} MiB; {len(refusals)} of 24 refused: "
+                          f"{refusals[0][:60] if refusals else '-'}")
+    elif name == "anonymous job archives announcing 256 MiB, 4 at once":
+        from pathways.requests import SubmitJob
+
+        start, conns = time.monotonic(), []
+        for _ in range(4):  # each announces 256 MiB of archive and sends none of it
+            conn = _connect(session, None, 0, None)
+            payload = SubmitJob(1, "victim", "guessed", ["python", "x.py"], None).encode()
+            conn.sock.sendall(frames.head(None, frames.TO_SERVER, 1, payload, 256 << 20) + payload)
+            conns.append(conn)
+        answers = []
+        for conn in conns:
+            conn.sock.settimeout(30)
+            answers.append(_refused(lambda c=conn: _raise_answer(c.recv())))
+            conn.close()
+        out["outcome"] = (f"{sum(a.startswith('refused') for a in answers)} of 4 refused unread in "
+                          f"{(time.monotonic() - start) * 1e3:.0f} ms: {answers[0]}")
     elif name == "its session after the admin rotated its credential":
         print(json.dumps({"ready": True}), flush=True)
         sys.stdin.readline()  # the admin rotates the credential now
@@ -202,7 +334,11 @@ ABUSES = ["claim the victim's session", "the admin's operations", "a host's data
           "a guessed job ticket", "a frame replayed to another island",
           "fetches of a buffer that never comes, 300 of them", "a program of 65,536 sends",
           "ten programs of 131,072 ops", "bursts of long computations with a low cost estimate",
+          "fresh long programs under its op_ms, 12 at once", "fresh programs that compile long, 4 at once",
           "a gigabyte of host memory", "sessions and connections by the dozen", "ten thousand cheap requests",
+          "slow handshakes at every endpoint, 200 each", "idle anonymous connections, 150",
+          "unauthenticated connections to a data port, 300", "three messages announcing a gigabyte each",
+          "24 batches of 64 MiB far ahead of its stream", "anonymous job archives announcing 256 MiB, 4 at once",
           "its session after the admin rotated its credential"]
 
 

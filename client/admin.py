@@ -46,17 +46,20 @@ class Admin:
         return self._call("tenants")
 
     def add_tenant(self, name: str, weight: float = 1.0, quota: int | None = None,
-                   budgets: dict[str, int] | None = None) -> str:
+                   budgets: dict[str, int] | None = None, job_user: str | None = None) -> str:
         """Register a tenant; returns its credential (the only time it is shown). ``budgets`` overrides some of
-        the default per-tenant budgets (``pathways.budgets.Budgets``)."""
-        return self._call("tenant_add", name=name, weight=weight, quota=quota, budgets=budgets or {})["credential"]
+        the default per-tenant budgets (``pathways.budgets.Budgets``); ``job_user`` names the OS user its jobs run
+        as (default: one the runtime makes, where it runs as root with a registry file)."""
+        return self._call("tenant_add", name=name, weight=weight, quota=quota, budgets=budgets or {},
+                          job_user=job_user)["credential"]
 
     def set_tenant(self, name: str, weight: float | None = None, quota: Any = _KEEP, new_credential: bool = False,
-                   budgets: dict[str, int] | None = None) -> str | None:
-        """Change a tenant's weight, device quota (None: no limit), budgets, or credential (returns the new one;
-        the old one, its sessions and its jobs' unused tickets stop working at once)."""
+                   budgets: dict[str, int] | None = None, job_user: str | None = None) -> str | None:
+        """Change a tenant's weight, device quota (None: no limit), budgets, credential (returns the new one;
+        the old one, its sessions and its jobs' unused tickets stop working at once), or the OS user its next
+        jobs run as."""
         args: dict[str, Any] = {"name": name, "weight": weight, "new_credential": new_credential,
-                                "budgets": budgets or {}}
+                                "budgets": budgets or {}, "job_user": job_user}
         if quota is not _KEEP:
             args["quota"] = quota
         return self._call("tenant_set", **args)["credential"]

@@ -1,8 +1,9 @@
 """The ``pathways`` console command: start a shared cluster, manage its tenants, submit their jobs, watch it.
 
     pathways up [--islands N --hosts-per-island H --devices-per-host D] [--port P] [--client-port C]
-                [--ray-address RAY_ADDRESS] [--job-user USER] [--quota D]
-    pathways tenants add NAME --weight W [--quota DEVICES] [--budget NAME=VALUE ...]   (prints a login command)
+                [--ray-address RAY_ADDRESS] [--quota D] [--jobs-dir DIR] [--unsafe-jobs-as-runtime-user]
+    pathways tenants add NAME --weight W [--quota DEVICES] [--budget NAME=VALUE ...] [--job-user USER]
+                                                                                      (prints a login command)
     pathways tenants list [--json] | set NAME [...] | remove NAME
     pathways login pathways://HOST:PORT --tenant NAME --credential SECRET     (a tenant, on their own machine)
     pathways submit [--tenant NAME] -- python script.py ...
@@ -34,10 +35,19 @@ from client import head, secrets
 from client.head import ClusterState
 from client.jobs import Jobs, entrypoint_of, pack, working_dir_of
 from client.link import Link, expect_role
-from client.runtime import Login, Timeouts, home, load_login, login_path, machine_runtime, save_login
+from client.runtime import (
+    DEFAULT_TENANT,
+    Login,
+    Timeouts,
+    home,
+    load_login,
+    login_path,
+    machine_runtime,
+    save_login,
+)
 from client.secrets import CliError
 from client.tables import clock, render_status, short, table
-from pathways.errors import PathwaysError
+from pathways.errors import PathwaysError, TenantAccessError
 from pathways.names import ADDRESS_ENV
 from pathways.requests import WhoAmI
 
@@ -105,8 +115,14 @@ def parser() -> argparse.ArgumentParser:
                     help="device quota of tenants added without one (default: no quota)")
     up.add_argument("--registry", metavar="PATH", help="the tenant registry file, a path on the head node "
                     "(default: $PATHWAYS_HOME/registry.json); it outlives `pathways down`")
-    up.add_argument("--job-user", metavar="USER", help="run tenants' jobs as this OS user, who cannot read the "
-                    "runtime's files (Ray's token included); needs the runtime to run as root")
+    up.add_argument("--jobs-dir", metavar="DIR", help="where tenants' jobs unpack and log, a folder of the runtime's "
+                    "user alone on the head node (default: /var/lib/pathways/jobs as root, else "
+                    "$PATHWAYS_HOME/jobs)")
+    up.add_argument("--unsafe-jobs-as-runtime-user", action="store_true",
+                    help="UNSAFE: run every tenant's jobs as the runtime's own user, where they can read the "
+                    "runtime's files, Ray's token and each other's memory and files (default: each tenant's jobs "
+                    "run as an OS user of the tenant's own, which needs the runtime to run as root)")
+    up.add_argument("--job-user", help=argparse.SUPPRESS)  # replaced: refused with what to use instead
     up.add_argument("--session-grace", type=float, default=Timeouts().grace, metavar="SECONDS",
                     help="how long a session whose client vanished is kept before it is reclaimed")
     up.add_argument("--suspend-dir", metavar="DIR", help="where SIGTERM to the runtime (a preemption notice) "
@@ -153,6 +169,8 @@ def parser() -> argparse.ArgumentParser:
                     "(default: the quota `pathways up --quota` set, else none)")
     ta.add_argument("--budget", action="append", default=[], metavar="NAME=VALUE",
                     help="a per-tenant budget other than the default, e.g. host_bytes=4294967296 (repeatable)")
+    ta.add_argument("--job-user", metavar="USER", help="the OS user its jobs run as, dedicated to them (default: "
+                    "one the runtime makes, where it runs as root)")
     ta.set_defaults(run=cmd_tenants_add, action="add")
     tl = tsub.add_parser("list", parents=[common, admin], help="tenants: weight, quota, clients, devices held")
     tl.add_argument("--json", action="store_true")
@@ -165,12 +183,13 @@ def parser() -> argparse.ArgumentParser:
     quota.add_argument("--quota", type=int, metavar="DEVICES")
     quota.add_argument("--no-quota", action="store_true", help="no device quota")
     ts.add_argument("--budget", action="append", default=[], metavar="NAME=VALUE", help="change a budget")
+    ts.add_argument("--job-user", metavar="USER", help="the OS user its next jobs run as, dedicated to them")
     ts.add_argument("--new-credential", action="store_true",
                     help="issue a new credential (printed once); the old one, its sessions and its jobs' unused "
                     "tickets stop working at once")
     ts.set_defaults(run=cmd_tenants_set, action="set")
-    tr = tsub.add_parser("remove", parents=[common, admin], help="remove a tenant; its sessions end and what "
-                         "it held is reclaimed")
+    tr = tsub.add_parser("remove", parents=[common, admin], help="remove a tenant; its sessions and jobs end and "
+                         "what it held is reclaimed")
     tr.add_argument("name")
     tr.set_defaults(run=cmd_tenants_remove, action="remove")
 
@@ -273,6 +292,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         raise CliError(f"--quota must be a positive number of devices, got {args.quota}")
     if not (math.isfinite(args.session_grace) and args.session_grace > 0):
         raise CliError(f"--session-grace must be a positive number of seconds, got {args.session_grace}")
+    if args.job_user is not None:
+        raise CliError("`pathways up --job-user` is gone: every tenant's jobs shared that one user, so one tenant's "
+                       "job could read another's. Each tenant's jobs now run as an OS user of the tenant's own, which "
+                       "`pathways tenants add` makes where the runtime runs as root; to name one, `pathways tenants "
+                       "add|set NAME --job-user USER`")
     _leftovers()
     registry = args.registry or str((home() / "registry.json").resolve())
     token, created = secrets.ensure_admin_credential()
@@ -294,7 +318,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                                      time.time(), "starting"))
         timeouts = Timeouts(start=args.timeout, grace=args.session_grace)
         info = _launch("up", {"ray_address": ray_address, "topology": topology.to_wire(), "admin_credential": token,
-                              "registry": registry, "default_quota": args.quota, "job_user": args.job_user,
+                              "registry": registry, "default_quota": args.quota, "jobs_dir": _jobs_dir(args.jobs_dir),
+                              "unsafe_jobs_as_runtime_user": args.unsafe_jobs_as_runtime_user,
                               "client_ports": [args.client_port, args.client_port], "op_timeout": timeouts.op,
                               "gap_timeout": timeouts.gap, "start_timeout": timeouts.start, "grace": timeouts.grace,
                               "suspend_dir": _location(args.suspend_dir)},
@@ -308,19 +333,77 @@ def cmd_up(args: argparse.Namespace) -> int:
     address = info["address"]
     head.save_state(ClusterState(address, ray_address, head_pid, temp_dir, topology.to_wire(), time.time()))
     head.publish(address)
+    attach = _own_tenant(address, token)
     say(f"pathways cluster up in {time.monotonic() - t0:.1f}s: {topology}\n"
           f"  address:             {address}   (tenants attach here; no Ray address or token needed)\n"
           f"  admin credential:    {secrets.admin_path()} ({'created now, ' if created else ''}readable by you "
           f"only: it manages tenants; keep it secret)\n"
           f"  tenant registry:     {registry} (kept across `pathways down` / `up`)\n"
-          f"  jobs run as:         {args.job_user or 'this user (pass --job-user USER to keep jobs away from Ray)'}\n"
+          f"  jobs run as:         {_jobs_run_as(args)}\n"
           f"  add a tenant:        pathways tenants add NAME --weight W [--quota DEVICES]   (prints its login)\n"
           f"  submit a job:        pathways submit --tenant NAME -- python script.py\n"
-          f"  attach from Python:  pw.init()   (on this machine), else pw.init(address=\"{address}\")\n"
+          f"  attach from Python:  {attach}\n"
           f"  watch / stop:        pathways status | pathways tenants list | pathways jobs | pathways down\n"
           f"  suspend / resume:    pathways suspend {args.suspend_dir or 'DIR'} | pathways resume"
           + (f"   (SIGTERM to the runtime suspends into {args.suspend_dir})" if args.suspend_dir else ""))
     return 0
+
+
+def _own_tenant(address: str, token: str) -> str:
+    """Make tenant ``default`` the admin's own: registered (weight 1, unless the registry keeps it already) with a
+    credential that works, saved readable by this user only where a bare ``pw.init()`` of this user on this machine
+    finds it (another user has another home, and could not read it). Returns how to attach from Python, for
+    ``up``'s summary: what works, and what to do instead where registering failed."""
+    from client.admin import Admin
+
+    path = secrets.credential_path(DEFAULT_TENANT)
+    saved = secrets.read_secret(path)
+    try:
+        if saved is None or not _proves(address, DEFAULT_TENANT, saved):
+            admin = Admin.connect(address, token)
+            try:
+                known = any(t["name"] == DEFAULT_TENANT for t in admin.tenants())
+                secret = (admin.set_tenant(DEFAULT_TENANT, new_credential=True) if known
+                          else admin.add_tenant(DEFAULT_TENANT, 1.0))
+            finally:
+                admin.close()
+            secrets.write_secret(path, secret)
+    except PathwaysError as exc:
+        return (f"not as you yet: registering tenant {DEFAULT_TENANT} failed ({exc}); `pathways tenants add NAME "
+                "--weight W`, then pw.init(tenant=NAME)")
+    return (f"pw.init()   (you, on this machine: tenant {DEFAULT_TENANT}, its credential in {path}, readable by you "
+            "only)\n                       anyone else: `pathways tenants add NAME --weight W`, then the `pathways "
+            "login` it prints")
+
+
+def _proves(address: str, tenant: str, credential: str) -> bool:
+    """Whether ``credential`` is ``tenant``'s at the runtime at ``address``."""
+    link = Link(address, 0, None, expect_role(None, "rm"), "the resource manager")
+    try:
+        return link.call(lambda rid: WhoAmI(rid, tenant, credential), 30).get("tenant") == tenant
+    except TenantAccessError:
+        return False
+    finally:
+        link.close()
+
+
+def _jobs_dir(directory: str | None) -> str | None:
+    """``--jobs-dir`` as the runtime on this machine reads it: absolute."""
+    return os.path.abspath(os.path.expanduser(directory)) if directory else None
+
+
+def _jobs_run_as(args: argparse.Namespace) -> str:
+    """Who tenants' jobs run as, for ``up``'s summary."""
+    if args.unsafe_jobs_as_runtime_user:
+        return ("the runtime's own user (--unsafe-jobs-as-runtime-user: any job can read the runtime's files, Ray's "
+                "token and every other job)")
+    if args.ray_address:
+        return ("an OS user of each tenant's own where the Ray cluster runs as root (`pathways tenants add` makes "
+                "it); elsewhere `pathways submit` is refused")
+    if os.geteuid() == 0:
+        return "an OS user of each tenant's own (`pathways tenants add` makes it, or --job-user USER there)"
+    return ("no one: the runtime is not root, so it cannot give each tenant's jobs a user of their own, and "
+            "`pathways submit` is refused; run `pathways up` as root")
 
 
 def _location(directory: str | None) -> str | None:
@@ -413,8 +496,9 @@ def cmd_down(args: argparse.Namespace) -> int:
     """``pathways down``: stop the runtime's jobs and actors, and the Ray head if ``pathways up`` started it."""
     state = head.load_state()
     if state is None:
-        raise CliError("no cluster that `pathways up` started is recorded here; on a cluster started elsewhere, "
-                       "run `pathways down` where it was started")
+        say(f"nothing to stop: no cluster that `pathways up` started is recorded in {head.state_path()} (a cluster "
+            "started elsewhere is stopped where it was started)")
+        return 0
     if state.phase == "starting":
         took = head.stop_head(state.head_pid, state.temp_dir, timeout=5.0) if state.head_pid else 0.0
         head.clear_state()
@@ -521,6 +605,12 @@ def _tenant_line(t: dict) -> str:
     return f"tenant {t['name']}: weight {t['weight']:g}, quota {'none' if t['quota'] is None else t['quota']}"
 
 
+def _job_user_line(t: dict) -> str:
+    if not t.get("job_user"):
+        return "  its jobs have no OS user of their own yet: `pathways submit` says what to do"
+    return f"  its jobs run as OS user {t['job_user']}" + (" (made by the runtime)" if t.get("job_user_made") else "")
+
+
 def _show_credential(name: str, secret: str, address: str) -> None:
     path = secrets.write_secret(secrets.credential_path(name), secret)
     print(f"credential of {name} (shown only this once), saved to {path} (readable by you only).\n"
@@ -535,9 +625,9 @@ def cmd_tenants_add(args: argparse.Namespace) -> int:
     _check_quota(args.quota)
     budgets = _budgets(args.budget)
     admin = _admin(args)
-    secret = _as_admin(admin.add_tenant, args.name, args.weight, args.quota, budgets)
+    secret = _as_admin(admin.add_tenant, args.name, args.weight, args.quota, budgets, args.job_user)
     (record,) = [t for t in _as_admin(admin.tenants) if t["name"] == args.name]
-    print(f"added {_tenant_line(record)}")
+    print(f"added {_tenant_line(record)}\n{_job_user_line(record)}")
     _show_credential(args.name, secret, resolve_address(args.address))
     return 0
 
@@ -548,28 +638,29 @@ def cmd_tenants_list(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    print(table(["TENANT", "WEIGHT", "QUOTA", "CLIENTS", "DEVICES"],
+    print(table(["TENANT", "WEIGHT", "QUOTA", "CLIENTS", "DEVICES", "JOB USER"],
                 [[t["name"], f"{t['weight']:g}", "-" if t["quota"] is None else t["quota"], t["clients"],
-                  t["devices"]] for t in rows]) if rows else "no tenants: add one with `pathways tenants add`")
+                  t["devices"], t.get("job_user") or "-"] for t in rows])
+          if rows else "no tenants: add one with `pathways tenants add`")
     return 0
 
 
 def cmd_tenants_set(args: argparse.Namespace) -> int:
     """``pathways tenants set``: change a tenant's weight, quota, budgets or credential."""
     if (args.weight is None and args.quota is None and not args.no_quota and not args.new_credential
-            and not args.budget):
-        raise CliError("nothing to change: pass --weight W, --quota DEVICES, --no-quota, --budget NAME=VALUE or "
-                       "--new-credential")
+            and not args.budget and not args.job_user):
+        raise CliError("nothing to change: pass --weight W, --quota DEVICES, --no-quota, --budget NAME=VALUE, "
+                       "--job-user USER or --new-credential")
     _check_weight(args.weight)
     _check_quota(args.quota)
     admin = _admin(args)
     change: dict[str, Any] = {"weight": args.weight, "new_credential": args.new_credential,
-                              "budgets": _budgets(args.budget)}
+                              "budgets": _budgets(args.budget), "job_user": args.job_user}
     if args.quota is not None or args.no_quota:
         change["quota"] = args.quota
     secret = _as_admin(admin.set_tenant, args.name, **change)
     (record,) = [t for t in _as_admin(admin.tenants) if t["name"] == args.name]
-    print(f"changed {_tenant_line(record)}")
+    print(f"changed {_tenant_line(record)}" + (f"\n{_job_user_line(record)}" if args.job_user else ""))
     if secret:
         print("  the old credential, its sessions and its jobs' unused tickets no longer work")
         _show_credential(args.name, secret, resolve_address(args.address))
@@ -577,9 +668,14 @@ def cmd_tenants_set(args: argparse.Namespace) -> int:
 
 
 def cmd_tenants_remove(args: argparse.Namespace) -> int:
-    """``pathways tenants remove``: remove a tenant (its sessions end) and delete its saved credential."""
-    _as_admin(_admin(args).remove_tenant, args.name)
-    print(f"removed tenant {args.name}: its sessions ended and its slices and buffers were reclaimed")
+    """``pathways tenants remove``: remove a tenant (its sessions and jobs end) and delete its saved credential."""
+    admin = _admin(args)
+    record = next((t for t in _as_admin(admin.tenants) if t["name"] == args.name), {})
+    _as_admin(admin.remove_tenant, args.name)
+    print(f"removed tenant {args.name}: its sessions ended, its jobs stop, and its slices and buffers were reclaimed")
+    if record.get("job_user_made"):
+        print(f"  its OS user {record['job_user']} stays, unused, so that its uid is given to no one else (who would "
+              f"own what its jobs left in /tmp); `userdel {record['job_user']}` once nothing of it is left")
     path = secrets.credential_path(args.name)
     if path.exists():
         path.unlink()

@@ -1,7 +1,8 @@
 """The Ray head ``pathways up`` starts, and the state file that remembers it.
 
 ``$PATHWAYS_HOME/cluster.json`` records the runtime's address and, when ``up`` started the Ray head itself,
-that head's process id and temp dir, so ``down`` stops exactly that head and never another engineer's Ray.
+that head's process id and folder (Ray's temp dir inside it, in a folder only this user may enter), so ``down``
+stops exactly that head and never another engineer's Ray.
 The record is written the moment the head's process exists (phase ``starting``), so an ``up`` that was
 interrupted (Ctrl-C, a closed pipe, a kill) leaves what ``down`` needs to find and stop what it started.
 The runtime's address also goes to ``/tmp/pathways-runtime/current`` (world-readable, like Ray's own
@@ -15,6 +16,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -28,6 +30,7 @@ from pathways.names import ADDRESS_ENV, CREDENTIAL_ENV, RAY_SYSTEM_ENV, TENANT_E
 
 # Never passed on to the Ray head (and so to the runtime): one process's identity is not the runtime's.
 PRIVATE_ENV = (TENANT_ENV, CREDENTIAL_ENV, ADDRESS_ENV, "RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")
+RAY_DIR = "ray"  # Ray's temp dir, inside the head's private folder
 
 
 @dataclass(frozen=True)
@@ -82,13 +85,17 @@ def clear_state() -> None:
 
 
 def publish(address: str) -> None:
-    """Tell this machine's clients where the runtime is (``/tmp/pathways-runtime/current``, world-readable)."""
+    """Tell this machine's clients where the runtime is (``/tmp/pathways-runtime/current``, world-readable, in a
+    folder only this user may change: whoever could change it could send this machine's clients, credentials and
+    all, to a runtime of theirs). CliError if the folder is another user's."""
     path = current_file()
     path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.chmod(path.parent, 0o755)
-    except OSError:  # another user's folder: its owner keeps it open to all
-        pass
+    info = os.lstat(path.parent)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
+        what = "is a link" if stat.S_ISLNK(info.st_mode) else f"belongs to uid {info.st_uid}"
+        raise CliError(f"{path.parent} {what}: whoever owns it could send this machine's clients to a runtime of "
+                       "theirs. Remove it, or set PATHWAYS_TMPDIR to a folder of yours")
+    os.chmod(path.parent, 0o755)
     tmp = path.with_name(f".current.{os.getpid()}")
     tmp.write_text(address + "\n")
     os.chmod(tmp, 0o644)
@@ -173,9 +180,13 @@ def start_head(port: int, num_cpus: int | None, timeout: float, record: callable
 
 
 def _start_head(port: int, num_cpus: int | None, deadline: float, record: callable) -> tuple[str, int, str]:
-    temp_dir = tempfile.mkdtemp(prefix="pathways-ray-")  # short: Ray's socket paths live under it
+    # Ray makes its temp dir and session folders world-writable (0777, no sticky bit), where a tenant's job could
+    # move Ray's sockets: they go in a folder of this user alone (mkdtemp's 0700), which nobody else can enter.
+    # The name stays short: Ray's socket paths live under it.
+    temp_dir = tempfile.mkdtemp(prefix="pathways-ray-")
+    ray_dir = Path(temp_dir) / RAY_DIR
     cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--disable-usage-stats",
-           f"--temp-dir={temp_dir}", f"--port={port}", "--include-dashboard=false",
+           f"--temp-dir={ray_dir}", f"--port={port}", "--include-dashboard=false",
            f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
            f"--dashboard-agent-grpc-port={free_port()}", f"--metrics-export-port={free_port()}",
            f"--runtime-env-agent-port={free_port()}"]
@@ -190,7 +201,7 @@ def _start_head(port: int, num_cpus: int | None, deadline: float, record: callab
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
     record(proc.pid, temp_dir)
-    address_file = Path(temp_dir) / "ray_current_cluster"  # Ray writes it once the head is up
+    address_file = ray_dir / "ray_current_cluster"  # Ray writes it once the head is up
     while not address_file.exists() or not address_file.read_text().strip():
         if proc.poll() is not None:
             text = log_path.read_text(errors="replace")

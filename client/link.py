@@ -92,6 +92,7 @@ class Link:
 
     # -- answers ------------------------------------------------------------------------------------------
     def _read(self) -> None:
+        refusal = None
         try:
             while True:
                 frame = self.conn.recv()
@@ -102,6 +103,7 @@ class Link:
                     self.conn.skip(frame.data)
                     if answer.rid == -1 and not answer.ok:  # the endpoint could not read a request of ours
                         log.error("%s refused a request: %s", self.what, answer.value)
+                        refusal = answer.value  # if the connection ends next, this is why
                     continue
                 if not answer.ok:
                     self.conn.skip(frame.data)
@@ -116,7 +118,10 @@ class Link:
                     self.conn.skip(frame.data)
                     future.set_result(answer.value)
         except (ConnectionError, OSError) as exc:
-            self._end(f"{type(exc).__name__}: {exc}" if self.closed is None else self.closed)
+            if refusal is not None and self.closed is None:
+                self._end(str(from_wire(*refusal)))
+            else:
+                self._end(f"{type(exc).__name__}: {exc}" if self.closed is None else self.closed)
         except PathwaysError as exc:  # a frame that failed a check, or an unreadable answer
             self._end(str(exc))
 

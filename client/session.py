@@ -23,7 +23,16 @@ from typing import Any
 
 from client.link import Link, LinkClosed, expect_role
 from client.outbox import Outboxes
-from client.runtime import Embedded, Timeouts, find_address, home, load_login
+from client.runtime import (
+    DEFAULT_TENANT,
+    Embedded,
+    Timeouts,
+    find_address,
+    home,
+    load_login,
+    not_a_runtime,
+    ray_cluster,
+)
 from client.suspension import RUNNING, Gate, suspended_error
 from pathways import auth
 from pathways.errors import ClusterSuspendedError, IslandFailedError, PathwaysError, ResourceError, TenantAccessError
@@ -542,23 +551,27 @@ def current() -> Session:
 def init(topology: Topology | None = None, address: str | None = None, *, tenant: str | None = None,
          credential: str | None = None, timeouts: Timeouts | None = None,
          default_quota: int | None = None) -> Session:
-    """Attach to a runtime (or start an embedded local one) and open this process's session. Idempotent: a
+    """Attach to a runtime (or start one of this client's own) and open this process's session. Idempotent: a
     second call returns the same session.
 
     Args:
-        topology: the islands of an embedded cluster (``pw.Topology``; default 2 islands x 1 host x 4 CPU
+        topology: the islands of a runtime this call starts (``pw.Topology``; default 2 islands x 1 host x 4 CPU
             devices). Attaching to a running runtime, a given topology must equal its own.
-        address: the runtime's address, ``pathways://HOST:PORT`` (what ``pathways up`` prints). Default:
-            ``PATHWAYS_ADDRESS``, else the address ``pathways login`` saved, else (with no ``topology``) the runtime
-            ``pathways up`` started on this machine, else an embedded local cluster this call starts (and
-            ``pw.shutdown``, or this process's end, stops).
-        tenant: the tenant to act as (default ``PATHWAYS_TENANT``, else the saved login's, else ``"default"``).
-            On an embedded cluster this is its one implicit tenant and needs no credential.
+        address: the runtime's address, ``pathways://HOST:PORT`` (what ``pathways up`` prints), never a Ray
+            cluster's. Default: ``PATHWAYS_ADDRESS``, else the address ``pathways login`` saved, else (with no
+            ``topology``) the runtime ``pathways up`` started on this machine. With none of these, this call starts
+            a runtime of its own (and ``pw.shutdown``, or this process's end, stops it): on the running Ray cluster
+            ``RAY_ADDRESS`` names (inside a Ray job, the job's cluster), its islands spread over the cluster's
+            nodes; without ``RAY_ADDRESS``, on an embedded local Ray cluster.
+        tenant: the tenant to act as (default ``PATHWAYS_TENANT``, else the saved login's, else ``"default"``:
+            on this machine, after ``pathways up``, the admin's own tenant). On a runtime this call starts it is
+            the one tenant and needs no credential.
         credential: the tenant's credential, issued by the cluster's admin (default ``PATHWAYS_CREDENTIAL``,
-            else the saved login's, else the file ``$PATHWAYS_HOME/credentials/TENANT``). A job started with
-            ``pathways submit`` instead holds a one-time ticket, which this call reads itself.
+            else the saved login's, else the file ``$PATHWAYS_HOME/credentials/TENANT``, where ``pathways up``
+            saves tenant ``default``'s for the admin). A job started with ``pathways submit`` instead holds a
+            one-time ticket, which this call reads itself.
         timeouts: bounds on every wait (``pw.Timeouts``).
-        default_quota: the device quota of new tenants, on an embedded cluster this call starts.
+        default_quota: the device quota of new tenants, on a runtime this call starts.
 
     Weights, quotas and budgets come from the cluster's tenant registry, never from the client.
 
@@ -566,9 +579,11 @@ def init(topology: Topology | None = None, address: str | None = None, *, tenant
         The session. Other calls find it themselves; ``pw.shutdown`` closes it.
 
     Raises:
-        PathwaysError: nothing answers at the address; the runtime does not answer within ``timeouts.start``;
-            or ``topology``/``timeouts`` is of the wrong type.
-        ResourceError: the running runtime has another topology, or the embedded cluster could not start.
+        PathwaysError: nothing answers at the address, or what answers is not a pathways runtime (a Ray address
+            says what to do instead); the runtime does not answer within ``timeouts.start``; ``RAY_ADDRESS`` is
+            not a Ray cluster's HOST:PORT; or ``topology``/``timeouts`` is of the wrong type.
+        ResourceError: the running runtime has another topology; ``RAY_ADDRESS`` names a cluster that does not
+            answer (within seconds); or the runtime this call starts could not start.
         TenantAccessError: there is no credential for ``tenant``, or the runtime refuses it.
     """
     global _session
@@ -582,28 +597,33 @@ def init(topology: Topology | None = None, address: str | None = None, *, tenant
             raise PathwaysError(f"topology must be a pw.Topology, got {type(topology).__name__}")
         found, source = find_address(address, machine=topology is None)
         saved = load_login() if source.endswith("login.json") else None
-        tenant = tenant or os.environ.get(TENANT_ENV) or (saved.tenant if saved else None) or "default"
+        tenant = tenant or os.environ.get(TENANT_ENV) or (saved.tenant if saved else None) or DEFAULT_TENANT
         ticket = None if credential else _read_ticket()
         credential = (credential or os.environ.get(CREDENTIAL_ENV) or (saved.credential if saved else None)
                       or _read_credential(tenant))
         embedded = admin = None
         if found is None:
+            ray_address = ray_cluster()
             admin, credential, ticket = auth.new_secret(), credential or auth.new_secret(), None
-            embedded = Embedded(topology or Topology(), timeouts, admin, tenant, credential, default_quota)
+            embedded = Embedded(topology or Topology(), timeouts, admin, tenant, credential, default_quota,
+                                ray_address)
             found = embedded.address
         elif credential is None and ticket is None and os.environ.get(JOB_ENV):
             raise TenantAccessError(f"job {os.environ[JOB_ENV]}'s ticket was already used: a job's ticket opens one "
                                     "session; keep the session the first pw.init() returned for the whole job")
         elif credential is None and ticket is None:
+            _check_runtime(found, source)
             raise TenantAccessError(f"tenant {tenant!r} has no credential on this machine: ask the cluster's admin "
                                     f"for one (`pathways tenants add {tenant}` prints a `pathways login` command), "
                                     f"or pass pw.init(credential=...), set {CREDENTIAL_ENV}, or save it in "
                                     f"{credential_file(tenant)}")
         try:
             session = Session(found, tenant, timeouts, credential, ticket, admin, embedded)
-        except BaseException:
+        except BaseException as exc:
             if embedded is not None:
                 embedded.stop()
+            elif isinstance(exc, PathwaysError) and not isinstance(exc, TenantAccessError):
+                _check_runtime(found, source)
             raise
         if topology is not None and session.topology != topology:
             session.close()
@@ -612,6 +632,14 @@ def init(topology: Topology | None = None, address: str | None = None, *, tenant
         _session = session
         atexit.register(_at_exit, session)
         return _session
+
+
+def _check_runtime(address: str, source: str) -> None:
+    """PathwaysError saying what to do where ``address`` (from ``source``) is not a pathways runtime's: a Ray
+    address, or whatever else does not open with the pathways handshake."""
+    reason = not_a_runtime(address)
+    if reason is not None:
+        raise PathwaysError(reason if source.startswith("pw.init") else f"{reason} (the address came from {source})")
 
 
 def _at_exit(session: Session) -> None:

@@ -33,9 +33,20 @@ class Budgets:
     executable_bytes: bytes of serialized executables the tenant keeps on one host.
     connections: the tenant's open connections to one endpoint of the runtime.
     jobs: the tenant's jobs running at once (``pathways submit``).
+    job_disk_bytes: bytes the tenant's jobs hold on the runtime's disk: archives being received and unpacked working
+        directories (a job's folder is removed when it ends).
+    frame_bytes: bytes of the tenant's messages being read at once on one endpoint (a message's bytes are taken as
+        they arrive, never as its head announces them).
+    ahead_batches: the tenant's batches one island holds that arrived ahead of their turn in the client's stream.
+    ahead_bytes: bytes of such batches.
     op_ms: milliseconds one computation of the tenant may run on an island. A running computation cannot be
         stopped, so this caps what follows: a program one of whose computations ran longer is refused from then on
-        (until the admin raises the budget), and no tenant holds an island in long unbreakable pieces.
+        (until the admin raises the budget), and once the tenant held an island longer than this without a break
+        (a computation, a compile, a run of calls), all its later work there, new programs included, is held to its
+        weight's share of the island's time: after holding it for t seconds, it waits t x (the weights of the others
+        that used the island in the last 10 s) / its weight, one piece in flight at a time, until it has stayed within
+        the budget for 10 s. No tenant holds an island in long unbreakable pieces, and another tenant waits for at
+        most one such piece at a time.
     """
 
     host_bytes: int = 8 * GiB
@@ -48,6 +59,10 @@ class Budgets:
     executable_bytes: int = 512 * MiB
     connections: int = 64
     jobs: int = 8
+    job_disk_bytes: int = 2 * GiB
+    frame_bytes: int = 512 * MiB
+    ahead_batches: int = 64
+    ahead_bytes: int = 256 * MiB
     op_ms: int = 60_000
 
     def to_wire(self) -> dict[str, int]:

@@ -72,7 +72,7 @@ class Config:
     implicit: dict | None = None  # the embedded cluster's one tenant: {"tenant", "digest"}
     default_quota: int | None = None
     jobs_dir: str | None = None
-    job_user: str | None = None
+    unsafe_jobs_as_runtime_user: bool = False  # every tenant's jobs run as the runtime's own user
     suspend_dir: str | None = None  # where SIGTERM (a preemption notice) suspends the cluster to
     suspend_timeout: float = 60.0
 
@@ -113,7 +113,8 @@ class ResourceManager:
         self._key = runtime_key
         self.suspension = Suspension(self)
         self.notices = Notices(self.cluster_state)
-        self.registry = Registry(config.registry_path, config.admin_digest, config.default_quota)
+        self.registry = Registry(config.registry_path, config.admin_digest, config.default_quota,
+                                 make_job_users=config.registry_path is not None)
         implicit = config.implicit
         if implicit is not None and self.registry.get(implicit["tenant"]) is None:
             self.registry.add(implicit["tenant"], 1.0, None, digest=implicit["digest"])
@@ -584,14 +585,16 @@ class ResourceManager:
 
     def _tenant_add(self, args: dict) -> dict:
         return {"credential": self.registry.add(check_name(args.get("name")), args.get("weight", 1.0),
-                                                check_quota(args.get("quota")), budgets=args.get("budgets"))}
+                                                check_quota(args.get("quota")), budgets=args.get("budgets"),
+                                                job_user=args.get("job_user"))}
 
     def _tenant_set(self, args: dict) -> dict:
         name = args.get("name")
         quota = check_quota(args["quota"]) if "quota" in args else "keep"
         weight = check_weight(args["weight"]) if args.get("weight") is not None else None
         budgets = args.get("budgets") or None
-        secret = self.registry.set(name, weight, quota, bool(args.get("new_credential")), budgets)
+        secret = self.registry.set(name, weight, quota, bool(args.get("new_credential")), budgets,
+                                   args.get("job_user"))
         record: TenantRecord = self.registry.get(name)
         if weight is not None:
             self._order(self._hosts([i for i in self._healthy()]), SetWeight(name, weight))

@@ -6,6 +6,11 @@ client claims about them is never read. Only SHA-256 digests of credentials are
 stored. With a path, the registry is a JSON file readable by its owner only,
 rewritten atomically on every change, so it survives a restart of the runtime.
 The embedded local cluster keeps it in memory, with one implicit tenant.
+
+Each tenant's jobs run as an OS user of that tenant's own (``job_users``): one the admin names, or, for a
+registry kept in a file by a runtime running as root, one it makes when the tenant is added (or at its first job,
+for a tenant added before). No two tenants share one. A removed tenant's user is left in place, unused: deleting
+it would let the system give its uid to a later user, who would own whatever files it left behind.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import pwd
 import re
 import threading
 from dataclasses import asdict, dataclass, field
@@ -21,6 +27,7 @@ from pathlib import Path
 from pathways import auth
 from pathways.budgets import Budgets
 from pathways.errors import ResourceError, TenantAccessError
+from resource_manager import job_users
 
 TENANT_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 MAX_WEIGHT = 1e6
@@ -29,13 +36,15 @@ WRONG = "unknown tenant or wrong credential; ask the cluster's admin for a crede
 
 @dataclass
 class TenantRecord:
-    """One tenant: name, weight, device quota, and its credential's SHA-256 digest."""
+    """One tenant: name, weight, device quota, its credential's SHA-256 digest, and the OS user its jobs run as."""
 
     name: str
     weight: float
     quota: int | None  # devices the tenant's slices may take at once (None: no limit)
     credential: str  # SHA-256 digest
     budgets: dict = field(default_factory=dict)  # the budgets the admin set (``Budgets`` fills in the rest)
+    job_user: str | None = None  # the OS user its jobs run as
+    job_user_made: bool = False  # whether the runtime made that user (else the admin named it)
 
     @property
     def limits(self) -> Budgets:
@@ -44,7 +53,8 @@ class TenantRecord:
 
     def public(self) -> dict:
         """The record without its credential digest."""
-        return {"name": self.name, "weight": self.weight, "quota": self.quota, "budgets": self.limits.to_wire()}
+        return {"name": self.name, "weight": self.weight, "quota": self.quota, "budgets": self.limits.to_wire(),
+                "job_user": self.job_user, "job_user_made": self.job_user_made}
 
 
 def check_name(name: object) -> str:
@@ -73,10 +83,13 @@ def check_quota(quota: object) -> int | None:
 
 
 class Registry:
-    """Tenants by name and the admin credential's digest; thread-safe, persisted when given a path."""
+    """Tenants by name and the admin credential's digest; thread-safe, persisted when given a path. With
+    ``make_job_users`` (and this process root) it makes each tenant's job user."""
 
-    def __init__(self, path: str | None, admin_digest: str | None, default_quota: int | None = None) -> None:
+    def __init__(self, path: str | None, admin_digest: str | None, default_quota: int | None = None,
+                 make_job_users: bool = False) -> None:
         self.path = Path(os.path.expanduser(path)) if path else None
+        self.makes_job_users = make_job_users and job_users.is_root()
         self._lock = threading.Lock()
         self.tenants: dict[str, TenantRecord] = {}
         self.admin_digest = admin_digest
@@ -110,9 +123,10 @@ class Registry:
                                                                                              self.admin_digest)
 
     def add(self, name: str, weight: float = 1.0, quota: int | None = None, digest: str | None = None,
-            budgets: dict | None = None) -> str | None:
+            budgets: dict | None = None, job_user: str | None = None) -> str | None:
         """Register a tenant; returns its new credential (shown once, never stored), or None when the caller
-        gave the credential's ``digest`` (a client that starts its own embedded cluster)."""
+        gave the credential's ``digest`` (a client that starts its own embedded cluster). ``job_user`` names the
+        OS user its jobs run as; without one, a registry that makes job users makes it one."""
         name, weight = check_name(name), check_weight(weight)
         quota = self.default_quota if quota is None else check_quota(quota)
         changes = Budgets().with_changes(budgets or {}) and dict(budgets or {})  # checked before anything changes
@@ -120,18 +134,25 @@ class Registry:
         with self._lock:
             if name in self.tenants:
                 raise ResourceError(f"tenant {name!r} already exists; `pathways tenants set` changes it")
-            self.tenants[name] = TenantRecord(name, weight, quota, digest or auth.digest(secret), changes)
+            record = TenantRecord(name, weight, quota, digest or auth.digest(secret), changes)
+            if job_user is not None:
+                record.job_user = self._named_user(name, job_user).pw_name
+            elif self.makes_job_users:
+                record.job_user, record.job_user_made = job_users.make(name), True
+            self.tenants[name] = record
             self._save()
         return secret
 
     def set(self, name: str, weight: float | None = None, quota: int | None | str = "keep",
-            new_credential: bool = False, budgets: dict | None = None) -> str | None:
-        """Change a tenant's weight, quota (None: no limit), budgets (merged into the ones it has) or credential;
-        returns a new credential if asked."""
+            new_credential: bool = False, budgets: dict | None = None, job_user: str | None = None) -> str | None:
+        """Change a tenant's weight, quota (None: no limit), budgets (merged into the ones it has), credential, or
+        job user (its next jobs run as that one); returns a new credential if asked."""
         with self._lock:
             record = self._get(name)
             if budgets:
                 record.limits.with_changes(budgets)  # refuses an unknown budget or a bad value
+            if job_user is not None and job_user != record.job_user:
+                record.job_user, record.job_user_made = self._named_user(name, job_user).pw_name, False
             if weight is not None:
                 record.weight = check_weight(weight)
             if quota != "keep":
@@ -151,6 +172,33 @@ class Registry:
             self._get(name)
             del self.tenants[name]
             self._save()
+
+    def _named_user(self, tenant: str, user: object) -> pwd.struct_passwd:
+        """The user the admin named for ``tenant``'s jobs, if it may be: this process can start processes as it,
+        it is neither root nor this process's user, and no other tenant's jobs run as it."""
+        if not isinstance(user, str) or not user:
+            raise ResourceError(f"a job user is the name of an OS user, got {user!r}")
+        if not job_users.is_root():
+            raise ResourceError(f"job user {user}: the runtime runs as {_me()}, not as root, so it cannot start jobs "
+                                "as another user; run `pathways up` as root")
+        entry = job_users.check(user)
+        for other in self.tenants.values():
+            if other.name != tenant and other.job_user and _uid(other.job_user) == entry.pw_uid:
+                raise ResourceError(f"job user {user} already runs the jobs of another tenant; each tenant's jobs run "
+                                    "as a user of its own, so that no tenant's job can read another's")
+        return entry
+
+    def job_user(self, name: str) -> pwd.struct_passwd:
+        """The OS user tenant ``name``'s jobs run as, made now for a tenant added before job users were made;
+        ResourceError saying what to do where it has none."""
+        with self._lock:
+            record = self._get(name)
+            if record.job_user is None:
+                if not self.makes_job_users:
+                    raise ResourceError(_no_job_user(name))
+                record.job_user, record.job_user_made = job_users.make(name), True
+                self._save()
+            return job_users.check(record.job_user)
 
     def _get(self, name: str) -> TenantRecord:
         record = self.tenants.get(name)
@@ -174,3 +222,31 @@ class Registry:
         """Every tenant's public record, by name."""
         with self._lock:
             return [t.public() for t in sorted(self.tenants.values(), key=lambda t: t.name)]
+
+
+def _me() -> str:
+    try:
+        return pwd.getpwuid(os.geteuid()).pw_name
+    except KeyError:
+        return f"uid {os.geteuid()}"
+
+
+def _uid(user: str) -> int | None:
+    try:
+        return pwd.getpwnam(user).pw_uid
+    except KeyError:
+        return None
+
+
+def _no_job_user(tenant: str) -> str:
+    """Why tenant ``tenant``'s jobs have no user to run as, and what the admin can do."""
+    if not job_users.is_root():
+        return (f"tenant {tenant}'s jobs have no OS user of their own: the runtime runs as {_me()}, not as root, so it "
+                "can neither make one nor start a job as one, and it starts no tenant's code as its own user (which "
+                "could read the runtime's files, Ray's token and every other tenant's jobs). The cluster's admin can "
+                "run `pathways up` as root (each tenant's jobs then run as a user of the tenant's own), or, where "
+                "every tenant may read every other's jobs and the runtime's files, `pathways up "
+                "--unsafe-jobs-as-runtime-user`")
+    return (f"tenant {tenant}'s jobs have no OS user of their own, and this runtime makes none (an embedded cluster, "
+            f"whose tenants live in memory): name one dedicated to them (pw.admin().set_tenant({tenant!r}, "
+            "job_user=USER)), or run the cluster with `pathways up`")

@@ -22,8 +22,8 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 _PRIVATE = tempfile.mkdtemp(prefix="pathways-tests-")
 os.environ["PATHWAYS_HOME"] = os.path.join(_PRIVATE, "home")
 os.environ["PATHWAYS_TMPDIR"] = os.path.join(_PRIVATE, "tmp")
-for _name in ("PATHWAYS_ADDRESS", "PATHWAYS_TENANT", "PATHWAYS_CREDENTIAL"):
-    os.environ.pop(_name, None)
+for _name in ("PATHWAYS_ADDRESS", "PATHWAYS_TENANT", "PATHWAYS_CREDENTIAL", "RAY_ADDRESS"):
+    os.environ.pop(_name, None)  # a Ray cluster named by RAY_ADDRESS would host the suite's runtime otherwise
 
 import numpy as np  # noqa: E402 - after the environment above is set
 import psutil  # noqa: E402

@@ -188,3 +188,22 @@ def test_a_huge_program_is_refused_fast_and_alone():
     (other,) = a.accept(4, "bob", 0, [Call(Template("p", 0, 1, {}, ()).encode(), 4 << CLIENT_ID_BITS, (), {},
                                            ()).encode()])
     assert other.refusal is None
+
+
+def test_batches_held_ahead_of_the_stream_count_against_their_tenants_budgets():
+    a = admission(gap_timeout=60.0)
+    a.grants.set_budgets("alice", Budgets(ahead_batches=3, ahead_bytes=1 << 20))
+    for k in range(1, 3):  # message 0 never comes: each batch after it waits
+        assert a.accept(CLIENT, "alice", k, [empty_call(k)]) == []
+    big = [empty_call(10 + k) + b"\0" * (300 << 10) for k in range(4)]  # 1.2 MiB in one batch
+    with pytest.raises(pw.ResourceError, match="ahead_bytes"):
+        a.accept(CLIENT, "alice", 10, big)
+    assert a.accept(CLIENT, "alice", 3, [empty_call(3)]) == []
+    with pytest.raises(pw.ResourceError, match="ahead_batches"):
+        a.accept(CLIENT, "alice", 4, [empty_call(4)])
+    assert a.ahead("alice")[0] == 3 and a.waiting() == 3
+    done = a.accept(CLIENT, "alice", 0, [empty_call(0)])  # the gap fills: what waited goes, and counts no more
+    assert len(done) == 4 and a.ahead("alice") == (0, 0)
+    a.accept(CLIENT, "alice", 6, [empty_call(6)])
+    a.revoke(CLIENT)
+    assert a.ahead("alice") == (0, 0)

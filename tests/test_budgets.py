@@ -172,3 +172,64 @@ def test_connections_over_the_budget_are_closed_and_others_connect(cluster, gree
     for conn in held:
         conn.close()
     served(victim)
+
+
+def host_rss(session, island: int = 0) -> int:
+    import psutil
+
+    return psutil.Process(session.host_stats(island)["pid"]).memory_info().rss
+
+
+def test_messages_announcing_a_gigabyte_are_refused_by_frame_bytes_and_cost_the_host_nothing(cluster, greedy, victim):
+    """Three connections each announce a 1 GiB message and send a megabyte of it: the host takes bytes only as
+    they come and within the tenant's frame_bytes budget, says which budget refused, and ends those connections."""
+    from pathways import wire
+    from pathways.errors import from_wire
+    from pathways.protocol import frames
+    from pathways.requests import Answer
+
+    session, _ = greedy
+    rss = host_rss(session)
+    conns = []
+    for _ in range(3):
+        conn = raw_connection(session, 0)
+        prefix = frames.PREFIX.pack(1 << 30, 0, 1)
+        conn.sock.sendall(prefix + frames.mac(conn._key, frames.TO_SERVER, prefix, b""))
+        try:
+            conn.sock.sendall(b"x" * (1 << 20))
+        except OSError:  # the host may have refused the message already
+            pass
+        conns.append(conn)
+    for conn in conns:
+        answer = wire.parse(conn.recv().payload, Answer)
+        error = from_wire(*answer.value)
+        assert answer.rid == -1 and isinstance(error, pw.ResourceError) and "frame_bytes" in str(error), error
+        with pytest.raises((ConnectionError, OSError, pw.PathwaysError)):
+            conn.recv()
+    assert host_rss(session) - rss < 256 << 20  # not the 3 GiB announced
+    served(victim)
+
+
+def test_batches_far_ahead_of_their_stream_count_against_the_ahead_budgets(cluster, greedy, victim):
+    """Batches numbered far beyond the tenant's stream wait for a gap that never fills: past ahead_bytes they are
+    refused, and what the host holds for them stays within the budget."""
+    from pathways import wire
+    from pathways.messages import Call
+    from pathways.ops import Template
+    from pathways.requests import Answer, Batch
+
+    session, _ = greedy
+    pw.admin().set_tenant("greedy", budgets={**SMALL, "ahead_bytes": 32 << 20})
+    conn = raw_connection(session, 0)
+    template = Template("ahead", 0, 1, {}, ()).encode()
+    filler = b"\0" * (4 << 20)
+    rss = host_rss(session)
+    first = 1 << 40  # far beyond anything greedy's client sent (these are the module's last uses of its stream)
+    for k in range(12):  # 48 MiB to hold ahead, over the 32 MiB budget, sent at once (the gap is 5 s here)
+        conn.send(Batch(k + 1, first + k, [Call(template, session.mint(1), (), {}, ()).encode() + filler]).encode())
+    answers = [wire.parse(conn.recv().payload, Answer) for _ in range(12)]
+    refused = [a.value[1] for a in answers if not a.ok]
+    assert refused and all("over your ahead_bytes budget" in r for r in refused), refused
+    assert host_rss(session) - rss < (32 << 20) + (96 << 20)
+    served(victim)
+    conn.close()

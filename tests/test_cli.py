@@ -6,13 +6,16 @@ command. To never touch another engineer's cluster it uses free ports, its own P
 credential, tenants' credentials, registry) and PATHWAYS_TMPDIR, and `pathways down` must stop exactly the
 head it started. Every command runs in a subprocess, through this venv's python by absolute path with a PATH
 that lacks the venv (as if it were not activated). The tenant works from a home of its own, as on its own
-machine: what `pathways tenants add` printed is all it gets.
+machine: what `pathways tenants add` printed is all it gets. Where the suite runs as root (as here and in CI), each
+tenant's jobs run as an OS user the runtime made for it, and hostile jobs try to reach another tenant's job, the
+runtime's secrets and Ray.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pwd
 import signal
 import socket
 import stat
@@ -23,6 +26,8 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import await_line
+from job_users_env import denied, is_root, job_users_machine, probe, registry_users
 
 from client import head
 
@@ -40,6 +45,7 @@ JOB_SCRIPT = textwrap.dedent("""
     print("RESULT", float(y.fetch()), "TENANT", session.tenant, "WEIGHT", session.weight)
     print("EXE", sys.executable, "WHICH", shutil.which("python"))
     print("ENV", sorted(k for k in os.environ if k.startswith(("RAY", "PATHWAYS"))))
+    print("UID", os.getuid(), "CWD", os.getcwd())
     pw.shutdown()
     try:  # the same ticket again
         pw.init()
@@ -129,33 +135,24 @@ def workdir(tmp_path_factory):
     return workdir
 
 
-JOB_USER = "nobody"
-
-
 @pytest.fixture(scope="module")
-def job_user():
-    """The OS user jobs run as (where this suite runs as root, as CI does): ``nobody``, who must be able to run
-    this Python; the folders on its way are opened for traversal (not listing) for the module, then closed."""
-    if os.geteuid() != 0:
-        yield None
+def machine():
+    """Where the suite runs as root: the tenants' job users can run this Python, and go with the module."""
+    if not is_root():
+        yield False
         return
-    opened = []
-    for folder in Path(sys.executable).resolve().parents:
-        mode_now = stat.S_IMODE(folder.stat().st_mode)
-        if not mode_now & stat.S_IXOTH:
-            folder.chmod(mode_now | stat.S_IXOTH)
-            opened.append((folder, mode_now))
-    yield JOB_USER
-    for folder, mode_before in opened:
-        folder.chmod(mode_before)
+    with job_users_machine():
+        yield True
 
 
 @pytest.fixture(scope="module")
-def pw_cli(tmp_path_factory, workdir, job_user):
+def pw_cli(tmp_path_factory, workdir, machine):
     """The cluster the tests of this module share; each test leaves it as it found it: up, with a runtime."""
     run = Cli(tmp_path_factory.mktemp("pathways-home"), workdir, tmp_path_factory.mktemp("pathways-tmp"))
-    run.job_user = job_user
-    run.up_out = run.up(*(["--job-user", job_user] if job_user else [])).stdout
+    run.root = machine
+    # a runtime that is not root runs no tenant's job unless told to run them all as itself, unsafely
+    run.job_options = [] if machine else ["--unsafe-jobs-as-runtime-user"]
+    run.up_out = run.up(*run.job_options).stdout
     yield run
     stop_head_of(run)
 
@@ -168,6 +165,7 @@ def tenants(pw_cli, tmp_path_factory):
     pw_cli.alice = pw_cli.tenant_home(tmp_path_factory.mktemp("alice-home"), added)
     pw_cli.added = added
     pw_cli("tenants", "add", "bob", "--weight", "1")
+    pw_cli.users = registry_users(pw_cli.home / "registry.json")
     return pw_cli
 
 
@@ -191,6 +189,10 @@ def test_up_prints_the_address_and_keeps_the_admins_secrets_to_the_admin(pw_cli)
     published = Path(pw_cli.env["PATHWAYS_TMPDIR"]) / "current"
     assert published.read_text().strip() == address and mode(published) == 0o644
     assert mode(head.ray_token_path()) == 0o600  # a job running as another user cannot read Ray's token
+    ray_dir = Path(state["temp_dir"])  # Ray makes its temp dir 0777: it is inside a folder of the runtime's alone
+    assert mode(ray_dir) == 0o700 and ray_dir.stat().st_uid == os.geteuid() and (ray_dir / "ray").is_dir()
+    mode_line = "an OS user of each tenant's own" if pw_cli.root else "the runtime's own user (--unsafe-jobs-as"
+    assert f"jobs run as:         {mode_line}" in out, out
 
 
 def test_a_second_up_is_refused(pw_cli):
@@ -210,8 +212,22 @@ def test_a_tenants_machine_needs_only_the_login_the_admin_printed(tenants, tmp_p
 
 
 def test_a_bare_pw_init_on_the_machine_attaches_to_the_runtime_up_started(tenants, tmp_path):
-    script = ("import pathways as pw\ntry:\n    pw.init()\nexcept pw.TenantAccessError as exc:\n"
-              "    print('REFUSED', exc)\n")
+    """The admin who ran `up` (this home) attaches as tenant `default`, the admin's own, shown in `pathways status`
+    like any tenant; anyone else on the machine (another home) finds the runtime but no credential of it."""
+    credential = tenants.home / "credentials" / "default"
+    assert mode(credential) == 0o600 and mode(credential.parent) == 0o700  # the admin's alone
+    assert (f"attach from Python:  pw.init()   (you, on this machine: tenant default, its credential in {credential}"
+            in tenants.up_out), tenants.up_out
+    script = ("import sys, pathways as pw\ntry:\n    s = pw.init()\nexcept pw.TenantAccessError as exc:\n"
+              "    print('REFUSED', exc)\n    sys.exit()\nprint('ATTACHED', flush=True)\nsys.stdin.readline()\n"
+              "print(s.tenant, s.address)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=tenants.env)
+    await_line(proc, "ATTACHED", 120)
+    status = json.loads(tenants("status", "--json").stdout)
+    out, err = proc.communicate("go\n", timeout=60)
+    assert out.split() == ["default", tenants.state()["address"]], out + err[-2000:]
+    assert status["tenants"]["default"]["clients"] == 1, status["tenants"]
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                          env={**tenants.env, "PATHWAYS_HOME": str(tmp_path)})
     # it found the runtime (no second, embedded cluster) and asks for a credential of it
@@ -236,10 +252,15 @@ def test_tenants_add_list_set_remove(tenants):
     assert mode(path) == 0o600 and mode(path.parent) == 0o700
     assert "added tenant carol: weight 3, quota 1" in out and first in out
     lines = tenants("tenants", "list").stdout.splitlines()
-    assert lines[0].split() == ["TENANT", "WEIGHT", "QUOTA", "CLIENTS", "DEVICES"]
-    assert [line.split() for line in lines[1:]] == [["alice", "2", "2", "0", "0"], ["bob", "1", "-", "0", "0"],
-                                                    ["carol", "3", "1", "0", "0"]]
-    carol = json.loads(tenants("tenants", "list", "--json").stdout)[2]
+    assert lines[0].split() == ["TENANT", "WEIGHT", "QUOTA", "CLIENTS", "DEVICES", "JOB", "USER"]
+    users = registry_users(tenants.home / "registry.json")
+    rows = [line.split() for line in lines[1:] if line.split()[0] != "default"]  # `up`'s own tenant, the admin's
+    assert rows == [["alice", "2", "2", "0", "0", users["alice"] or "-"],
+                    ["bob", "1", "-", "0", "0", users["bob"] or "-"],
+                    ["carol", "3", "1", "0", "0", users["carol"] or "-"]]
+    if tenants.root:  # a user of each tenant's own, made by `tenants add`
+        assert len(set(users.values())) == len(users) and f"its jobs run as OS user {users['carol']}" in out
+    carol = next(t for t in json.loads(tenants("tenants", "list", "--json").stdout) if t["name"] == "carol")
     assert carol["budgets"]["sessions"] == 2
     out = tenants("tenants", "set", "carol", "--weight", "5", "--no-quota", "--new-credential").stdout
     second = path.read_text().strip()
@@ -247,11 +268,14 @@ def test_tenants_add_list_set_remove(tenants):
     one_line_error(tenants("tenants", "set", "carol", "--budget", "bytes=5", ok=False), "no budget named 'bytes'")
     out = tenants("tenants", "remove", "carol").stdout
     assert "removed tenant carol" in out and not path.exists()
+    if tenants.root:
+        assert f"its OS user {users['carol']} stays, unused" in out
 
 
 def test_a_job_holds_a_ticket_and_the_address_and_nothing_else(tenants, alice_job):
-    """The job runs as alice with the registry's weight, in the runtime's python although no venv is on PATH;
-    its environment names neither Ray nor a credential nor its ticket; a second use of the ticket fails."""
+    """The job runs as alice with the registry's weight, as her OS user, in the runtime's python although no venv
+    is on PATH; its environment names neither Ray nor a credential nor its ticket; a second use of the ticket
+    fails; once it ended, its folder is gone."""
     out, job = alice_job["out"], alice_job["job"]
     assert out.startswith("submitted ") and job.startswith("alice-")
     assert "RESULT 140.0 TENANT alice WEIGHT 2.0" in out and f"job {job} SUCCEEDED" in out, out
@@ -260,40 +284,60 @@ def test_a_job_holds_a_ticket_and_the_address_and_nothing_else(tenants, alice_jo
     assert "SECOND TenantAccessError" in out and "ticket" in out.split("SECOND")[-1], out
     for secret in (tenants.credential("alice"), (tenants.home / "admin.token").read_text().strip()):
         assert secret not in out
+    uid, cwd = out.split("UID ")[1].split()[0], out.split(" CWD ")[1].split()[0]
+    if tenants.root:
+        assert int(uid) == pwd.getpwnam(tenants.users["alice"]).pw_uid, out
+    assert cwd.endswith(f"/jobs/{job}/work") and not Path(cwd).parent.exists()
 
 
-def test_a_job_running_as_the_job_user_cannot_reach_ray(tenants, workdir):
-    """A tenant's job, knowing the Ray cluster's address as an attacker would, can neither attach to it nor read
-    Ray's token; the runtime it reaches through its address works."""
-    if tenants.job_user is None:
-        pytest.skip("starting jobs as another OS user needs the runtime to run as root")
-    (workdir / "probe.py").write_text(textwrap.dedent("""
-        import getpass, os, sys
-        import numpy as np
-        import pathways as pw
-        print("USER", getpass.getuser())
-        try:
-            open(sys.argv[2]).read()
-            print("TOKEN readable")
-        except OSError as exc:
-            print("TOKEN", type(exc).__name__)
-        os.environ["RAY_NUM_REDIS_GET_RETRIES"] = "3"  # an attacker's patience: Ray retries a refusal for 20 s
-        import ray
-        try:
-            ray.init(address=sys.argv[1], logging_level="ERROR")
-            rm = ray.get_actor("resource_manager", namespace="pathways")
-            print("RAY", ray.get(rm.ready.remote(b"x" * 32), timeout=20))
-        except Exception as exc:
-            cause = str(exc.__cause__ or exc)
-            print("RAY refused", type(exc).__name__, "for its token" if "InvalidAuthToken" in cause else cause)
-        pw.init()
-        s = pw.slice((1,), ("x",))
-        print("PATHWAYS", float(pw.jit(lambda v: v.sum(), slice=s)(pw.put(np.ones(3, np.float32), s)).fetch()))
-    """))
-    out = tenants("submit", "--wait", "--", "python", "probe.py", tenants.state()["ray_address"],
-                  str(head.ray_token_path()), env=tenants.alice, timeout=240).stdout
-    assert f"USER {JOB_USER}" in out and "TOKEN PermissionError" in out, out
-    assert "RAY refused ConnectionError for its token" in out and "PATHWAYS 3.0" in out, out
+VICTIM_SCRIPT = textwrap.dedent("""
+    import os, time
+    import pathways as pw
+    session = pw.init()  # its memory now holds the session's key
+    with open("secret", "w") as f:
+        f.write("bob's data")
+    print("READY", os.getpid(), os.getcwd(), flush=True)
+    time.sleep(300)
+""")
+
+
+def test_a_hostile_job_reaches_neither_another_tenants_job_nor_the_runtime_nor_ray(tenants, workdir):
+    """Bob's job holds a session; alice's job, knowing every path and the Ray cluster's address as an attacker
+    would, tries to read bob's job's environment, memory and files, the admin's and Ray's tokens and the
+    registry, to write into bob's folder, Ray's temp dir and the jobs' folders, and to attach to Ray."""
+    if not tenants.root:
+        pytest.skip("each tenant's jobs run as a user of its own only where the runtime runs as root")
+    (workdir / "victim.py").write_text(VICTIM_SCRIPT)
+    (workdir / "hostile_job.py").write_text((Path(__file__).parent / "hostile_job.py").read_text())
+    victim = tenants("submit", "--tenant", "bob", "--", "python", "victim.py").stdout.split()[1]
+    deadline = time.monotonic() + 120
+    while "READY" not in (log := tenants("logs", victim).stdout):
+        assert time.monotonic() < deadline and "RUNNING" in tenants("jobs").stdout, log
+        time.sleep(0.2)
+    _, pid, cwd = next(line for line in log.splitlines() if line.startswith("READY")).split()
+    state, jobs_root = tenants.state(), Path(cwd).parents[3]
+    ray_dir = Path(state["temp_dir"])
+    targets = {"read": [f"{cwd}/secret", str(tenants.home / "admin.token"), str(head.ray_token_path()),
+                        str(tenants.home / "registry.json")],
+               "list": [cwd, str(jobs_root), str(ray_dir)],
+               "write": [cwd, str(jobs_root), str(Path(cwd).parents[1]), str(ray_dir), str(ray_dir / "ray"),
+                         str(ray_dir / "ray" / "session_latest" / "sockets")],
+               "environ": [pid], "memory": [pid], "ray": [state["ray_address"]]}
+    out = tenants("submit", "--wait", "--", "python", "hostile_job.py", json.dumps(targets), env=tenants.alice,
+                  timeout=240).stdout
+    results = probe(out)
+    assert len(results) == 16 and not denied(results), denied(results)
+    assert "InvalidAuthToken" in results[f"attach to Ray at {state['ray_address']}"]
+    assert tenants("stop", victim).stdout.strip() == f"job {victim} STOPPED"
+
+
+def test_the_disk_budget_refuses_an_archive_before_it_is_sent(tenants):
+    tenants("tenants", "set", "bob", "--budget", "job_disk_bytes=4096")
+    try:
+        one_line_error(tenants("submit", "--tenant", "bob", "--", "python", "job.py", ok=False),
+                       "over your job_disk_bytes budget")
+    finally:
+        tenants("tenants", "set", "bob", "--budget", "job_disk_bytes=2147483648")
 
 
 def test_stop_and_logs_only_on_your_own_jobs(tenants, alice_job):
@@ -360,15 +404,17 @@ def leave_in_time_wait(port: int) -> None:
     assert lingers(port)
 
 
-def test_down_then_an_interrupted_up_is_cleaned_up_and_up_right_after_down_succeeds_at_once(tenants):
+def test_down_then_an_interrupted_up_is_cleaned_up_and_up_right_after_down_succeeds_at_once(tenants, alice_job):
     """The module's cluster, after the tests above ran tenants' jobs on it: `down` stops all of it; an `up` killed
     while it starts is cleaned up (Ctrl-C by itself, a kill by the next `down`); then five cycles of `up` at once
     on the same ports, each with a connection of the Ray port in TIME-WAIT (which a busy check took for in use),
     and `down`, the last `up` bringing it back with its tenants, as the module's other tests expect it."""
     run = tenants
     state = run.state()
+    cwd = alice_job["out"].split(" CWD ")[1].split()[0]
     out = run("down", timeout=90).stdout
     assert "stopped the runtime's jobs" in out and "stopped the Ray head" in out, out
+    assert not Path(cwd).parents[2].exists()  # the runtime's jobs' folder went with it
     assert "the tenant registry stays in" in out, out
     assert not head_processes(state) and run.state() is None and not Path(state["temp_dir"]).exists()
     with pytest.raises(ConnectionRefusedError):  # nothing listens on the runtime's port any more
@@ -392,7 +438,7 @@ def test_down_then_an_interrupted_up_is_cleaned_up_and_up_right_after_down_succe
     for cycle in range(5):  # up right after down, five times, each with the Ray port's connection in TIME-WAIT
         leave_in_time_wait(run.port)
         t0 = time.monotonic()
-        run.up(*(["--job-user", run.job_user] if run.job_user else []))
+        run.up(*run.job_options)
         took.append(time.monotonic() - t0)
         assert run.state()["phase"] == "up" and head_processes(run.state())
         if cycle < 4:
@@ -412,9 +458,11 @@ def readme_block(heading: str, index: int) -> list[str]:
     return [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
 
 
-def test_the_readmes_shared_cluster_commands_work_as_written(tmp_path):
+def test_the_readmes_shared_cluster_commands_work_as_written(tmp_path, machine):
     """Every command of the README's shared-cluster section, in order: the admin's on this machine, the
     tenant's from a home of its own holding only what `pathways tenants add` printed."""
+    if not machine:
+        pytest.skip("the README's `pathways submit` needs a runtime running as root (a job user per tenant)")
     admin, tenant = readme_block("## A shared cluster", 0), readme_block("## A shared cluster", 1)
     assert admin[0].startswith("pathways up") and admin[-1] == "pathways down" and tenant[0].startswith(
         "pathways login pathways://HOST:7100")

@@ -51,13 +51,20 @@ def nowhere(monkeypatch, tmp_path):
     (["up", "--islands", "0"], "Topology.islands must be a positive int"),
     (["up", "--quota", "0"], "--quota must be a positive"),
     (["up", "--session-grace", "-1"], "--session-grace must be a positive"),
-    (["down"], "no cluster that `pathways up` started is recorded here"),
+    (["up", "--job-user", "nobody"], "`pathways up --job-user` is gone"),
 ])
 def test_bad_input_is_one_line_error(args, words, capsys, nowhere):
     """Refused before anything starts (so run in-process)."""
     assert cli.main(args) == 1
     err = capsys.readouterr().err
     assert err.startswith("pathways: error: ") and err.count("\n") == 1 and words in err, err
+
+
+def test_down_with_nothing_to_stop_says_so_and_succeeds(capsys, nowhere):
+    assert cli.main(["down"]) == 0
+    out = capsys.readouterr()
+    assert out.out.startswith("nothing to stop: no cluster that `pathways up` started is recorded in ") and \
+        out.out.count("\n") == 1 and out.err == "", out
 
 
 def test_the_command_finds_the_runtime_in_order(nowhere, monkeypatch):
@@ -180,3 +187,24 @@ def test_format_and_required_arguments():
         cli.parser().parse_args(["tenants", "add", "x"])  # --weight is required
     with pytest.raises(SystemExit):
         cli.parser().parse_args(["login", "pathways://h:1"])  # --tenant and a credential are required
+
+
+def test_the_address_is_published_only_in_a_folder_of_this_user(tmp_path, monkeypatch):
+    """Whoever could change the folder could send this machine's clients, credentials and all, elsewhere."""
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "elsewhere")
+    monkeypatch.setenv("PATHWAYS_TMPDIR", str(tmp_path / "link"))
+    with pytest.raises(secrets.CliError, match="is a link"):
+        head.publish("pathways://127.0.0.1:1")
+    assert not (tmp_path / "elsewhere" / "current").exists()
+    if os.geteuid() == 0:
+        theirs = tmp_path / "theirs"
+        theirs.mkdir()
+        os.chown(theirs, 65534, 65534)
+        monkeypatch.setenv("PATHWAYS_TMPDIR", str(theirs))
+        with pytest.raises(secrets.CliError, match="belongs to uid 65534"):
+            head.publish("pathways://127.0.0.1:1")
+    monkeypatch.setenv("PATHWAYS_TMPDIR", str(tmp_path / "mine"))
+    head.publish("pathways://127.0.0.1:1")
+    assert (tmp_path / "mine" / "current").read_text() == "pathways://127.0.0.1:1\n"
+    assert mode(tmp_path / "mine") == 0o755

@@ -13,8 +13,9 @@ import pytest
 import pathways as pw
 from pathways.protocol import frames, handshake
 from pathways.protocol.address import format_address, parse_address
-from pathways.protocol.connection import Connection, accept, connect
+from pathways.protocol.connection import Connection, adopt, connect
 from pathways.protocol.handshake import Identity
+from resource_manager.doorway import Doorway
 
 KEY = b"k" * 32
 SESSION = 42
@@ -22,7 +23,7 @@ ME = Identity("runtime-1", "host", 0, 1, 3)
 
 
 class Endpoint:
-    """One accepted connection at a time, the endpoint's half of the handshake, then what the test asks."""
+    """The endpoint's half of the handshake run by a real ``Doorway``; the test reads what it accepted or refused."""
 
     def __init__(self, identity: Identity = ME, anonymous: bool = False, keys: dict | None = None) -> None:
         self.listener = socket.create_server(("127.0.0.1", 0))
@@ -32,19 +33,14 @@ class Endpoint:
         self.accepted: list[Connection] = []
         self.errors: list[Exception] = []
         self.ready = threading.Event()
-        threading.Thread(target=self._run, daemon=True).start()
+        self.door = Doorway(self.listener, self._handshake, self._admit, "test")
 
-    def _run(self) -> None:
-        while True:
-            try:
-                sock, _ = self.listener.accept()
-            except OSError:
-                return
-            try:
-                self.accepted.append(accept(sock, self.identity, self.keys.get, self.anonymous, 1 << 20, 1 << 20))
-            except Exception as exc:  # the test reads what the endpoint refused
-                self.errors.append(exc)
-            self.ready.set()
+    def _handshake(self) -> Recording:
+        return Recording(handshake.Accepting(self.identity, self.keys.get, self.anonymous), self)
+
+    def _admit(self, sock: socket.socket, addr: tuple, proven: handshake.Proven) -> None:
+        self.accepted.append(adopt(sock, proven, 1 << 20, 1 << 20))
+        self.ready.set()
 
     def connection(self) -> Connection:
         assert self.ready.wait(10)
@@ -52,7 +48,24 @@ class Endpoint:
         return self.accepted[-1]
 
     def close(self) -> None:
+        self.door.close()
         self.listener.close()
+
+
+class Recording:
+    """A handshake that notes its refusal for the test, then refuses as the real one does."""
+
+    def __init__(self, inner: handshake.Accepting, endpoint: Endpoint) -> None:
+        self.inner, self.endpoint = inner, endpoint
+        self.greeting, self.expect = inner.greeting, inner.expect
+
+    def finish(self, answer: bytes) -> tuple[bytes, handshake.Proven]:
+        try:
+            return self.inner.finish(answer)
+        except Exception as exc:
+            self.endpoint.errors.append(exc)
+            self.endpoint.ready.set()
+            raise
 
 
 def test_addresses_are_pathways_urls():
@@ -165,7 +178,7 @@ def test_an_anonymous_connection_upgrades_to_the_session_it_opened():
     assert server.recv().payload == b"open, with my credential"
     server.send(b"your session is 42")
     client.recv()
-    server.upgrade(SESSION, KEY)
+    server.upgrade(SESSION, KEY, 1 << 20)
     client.upgrade(SESSION, KEY)
     client.send(b"now signed")
     assert server.recv().payload == b"now signed" and server.authenticated

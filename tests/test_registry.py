@@ -164,7 +164,7 @@ def test_the_listing_shows_no_credentials_and_is_sorted():
         registry.add(name)
     listing = registry.listing()
     assert [t["name"] for t in listing] == ["alice", "bob", "carol"]
-    assert all(set(t) == {"name", "weight", "quota", "budgets"} for t in listing)
+    assert all(set(t) == {"name", "weight", "quota", "budgets", "job_user", "job_user_made"} for t in listing)
     assert all(t["budgets"] == Budgets().to_wire() for t in listing)  # every budget, at its default
 
 

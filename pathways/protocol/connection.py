@@ -1,6 +1,7 @@
 """A connection of the client protocol: a TCP socket that speaks the handshake, then frames.
 
-Both sides use it: ``connect`` is the client's half of the handshake, ``accept`` the endpoint's. After it,
+Both sides use it: ``connect`` is the client's half of the handshake; ``adopt`` takes over a socket whose client
+proved itself in the endpoint's half (``handshake.Accepting``, run by ``resource_manager.doorway``). After it,
 ``send`` writes one frame (any thread; frames never interleave) and ``recv`` reads the next one (one reader
 thread), checking its sequence number, lengths and MAC before the payload is returned; the frame's data is then
 read by the caller straight into a buffer of its choosing (``read_into``) or dropped (``skip``), so array bytes
@@ -13,20 +14,24 @@ import hmac
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from pathways.errors import PathwaysError
 from pathways.protocol import frames, handshake
 from pathways.protocol.address import parse_address
-from pathways.protocol.handshake import HandshakeError, Identity
+from pathways.protocol.handshake import HandshakeError, Identity, Proven
 
 CONNECT_TIMEOUT_S = 5.0
 SEND_TIMEOUT_S = 60.0  # a peer that takes no bytes for this long is gone: the send fails and the connection ends
 SEND_CHUNK = 1 << 30  # sendmsg takes at most this many bytes per call
+ANONYMOUS_PAYLOAD = 64 << 10  # a message on a connection without a session (a credential-carrying request)
+METERED = 64 << 10  # a message over this many bytes is read within its tenant's frame_bytes budget
+READ_CHUNK = 1 << 20  # a large message is taken in pieces of this size as its bytes arrive, never all at once
 
 
 def recv_exactly(sock: socket.socket, view: memoryview) -> None:
@@ -38,11 +43,25 @@ def recv_exactly(sock: socket.socket, view: memoryview) -> None:
         view = view[n:]
 
 
-def recv_bytes(sock: socket.socket, n: int) -> bytes:
-    """Exactly ``n`` bytes from ``sock``."""
-    buf = bytearray(n)
-    recv_exactly(sock, memoryview(buf))
-    return bytes(buf)
+def recv_bytes(sock: socket.socket, n: int) -> bytes | bytearray:
+    """Exactly ``n`` bytes from ``sock``. A large ``n`` is taken into a buffer that grows (at most twice) ahead of
+    the bytes that arrived, so memory follows what a peer really sent, not the length it announced; the buffer is
+    one block, handed back to the system whole when it is dropped."""
+    if n <= READ_CHUNK:
+        buf = bytearray(n)
+        recv_exactly(sock, memoryview(buf))
+        return bytes(buf)
+    buf, got = bytearray(READ_CHUNK), 0
+    while got < n:
+        if got == len(buf):
+            buf.extend(bytes(min(n, 2 * got) - got))
+        view = memoryview(buf)[got:]
+        k = sock.recv_into(view)
+        view.release()
+        if k == 0:
+            raise ConnectionError("the other side closed the connection")
+        got += k
+    return buf
 
 
 def keepalive(sock: socket.socket) -> None:
@@ -67,11 +86,21 @@ def _bytes_view(buf: Any) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
+class Meter(Protocol):
+    """Where a connection's large messages are counted while they are read (its tenant's ``frame_bytes``)."""
+
+    def take(self, nbytes: int) -> None:
+        """Count ``nbytes`` more; FrameError (an ``OverBudget``) if that is over the budget."""
+
+    def give(self, nbytes: int) -> None:
+        """``nbytes`` were read (or given up): they no longer count."""
+
+
 @dataclass(frozen=True)
 class Frame:
     """A frame whose head and payload passed their checks; ``data`` bytes follow it on the socket."""
 
-    payload: bytes
+    payload: bytes | bytearray
     data: int
 
 
@@ -95,17 +124,23 @@ class Connection:
         self._sent = 0
         self._received = 0
         self.closed = False
+        self.meter: Meter | None = None  # set by an endpoint, for the tenant the connection belongs to
+        self.active = time.monotonic()  # when the last message arrived (the least recently active gives way first)
+        self.busy = False  # a message was read and its reader has not asked for the next one yet
 
     @property
     def authenticated(self) -> bool:
         """Whether frames carry MACs under a session's key (False on an anonymous connection)."""
         return self._key is not None
 
-    def upgrade(self, session: int, session_key: bytes) -> None:
-        """Switch an anonymous connection to ``session``'s key: every later frame, both ways, is authenticated."""
+    def upgrade(self, session: int, session_key: bytes, max_payload: int | None = None) -> None:
+        """Switch an anonymous connection to ``session``'s key: every later frame, both ways, is authenticated (and
+        the endpoint's side may then take messages of up to ``max_payload`` bytes)."""
         server_nonce, client_nonce, identity = self._nonces
         self._key = handshake.connection_key(session_key, server_nonce, client_nonce, identity, session)
         self.session = session
+        if max_payload is not None:
+            self.max_payload = max_payload
 
     # -- sending ------------------------------------------------------------------------------------------
     def send(self, payload: bytes, data: Sequence[Any] = ()) -> None:
@@ -146,12 +181,23 @@ class Connection:
     def recv(self) -> Frame:
         """The next frame's payload, checked; its ``data`` bytes are still on the socket (``read_into``/``skip``).
         FrameError for a frame that fails a check, ConnectionError when the other side closed."""
+        self.busy = False
         raw = recv_bytes(self.sock, frames.HEAD_BYTES)
         payload_len, data_len, prefix, got = frames.parse_head(raw, self._received + 1, self.max_payload,
                                                                self.max_data)
-        payload = recv_bytes(self.sock, payload_len)
+        meter = self.meter if payload_len > METERED else None
+        if meter is None:
+            payload = recv_bytes(self.sock, payload_len)
+        else:
+            meter.take(payload_len)
+            try:
+                payload = recv_bytes(self.sock, payload_len)
+            finally:
+                meter.give(payload_len)
         frames.check_mac(self._key, self._in, prefix, payload, got)
         self._received += 1
+        self.active = time.monotonic()
+        self.busy = True
         return Frame(payload, data_len)
 
     def read_into(self, view: memoryview) -> None:
@@ -229,33 +275,14 @@ def connect(address: str, session: int, key: bytes | None, expect: Callable[[Ide
 
 # -- the endpoint's half ----------------------------------------------------------------------------------
 
-def accept(sock: socket.socket, identity: Identity, session_key: Callable[[int], bytes | None], anonymous: bool,
-           max_payload: int, max_data: int) -> Connection:
-    """Run the endpoint's half of the handshake on a freshly accepted socket: a client must prove a session
-    ``session_key`` knows (or come anonymously, where ``anonymous`` allows). Refuses with a reason that names
-    no one; raises HandshakeError (or OSError) after refusing. The socket is left blocking, without a timeout."""
-    sock.settimeout(handshake.TIMEOUT_S)
-    server_nonce = handshake.new_nonce()
-    id_bytes = identity.encode()
-    sock.sendall(handshake.SERVER_HELLO.pack(handshake.TAG, server_nonce, len(id_bytes)) + id_bytes)
-    tag, client_nonce, session, proof = handshake.CLIENT_HELLO.unpack(recv_bytes(sock, handshake.CLIENT_HELLO.size))
-    handshake.check_tag(tag)
-    if session == handshake.ANONYMOUS:
-        if not anonymous:
-            sock.sendall(handshake.refusal("this endpoint takes only sessions the resource manager opened"))
-            raise HandshakeError("an anonymous client")
-        sock.sendall(handshake.OK + bytes(handshake.PROOF_BYTES))
-        conn_key = None
-    else:
-        key = session_key(session)
-        if key is None or not hmac.compare_digest(proof, handshake.client_proof(key, server_nonce, client_nonce,
-                                                                                  id_bytes, session)):
-            sock.sendall(handshake.refusal("unknown or expired session (it was closed, reclaimed, or never opened "
-                                           "here); call pw.init() again"))
-            raise HandshakeError(f"a client failed to prove session {session}")
-        sock.sendall(handshake.OK + handshake.server_proof(key, server_nonce, client_nonce, id_bytes, session))
-        conn_key = handshake.connection_key(key, server_nonce, client_nonce, id_bytes, session)
-    sock.settimeout(None)
+def adopt(sock: socket.socket, proven: Proven, max_payload: int, max_data: int) -> Connection:
+    """The connection on ``sock``, whose client proved ``proven`` in the endpoint's handshake
+    (``handshake.Accepting``). An anonymous one reads messages of at most ``ANONYMOUS_PAYLOAD`` bytes until a
+    session upgrades it."""
+    sock.setblocking(True)
     keepalive(sock)
-    return Connection(sock, conn_key, frames.TO_CLIENT, frames.TO_SERVER, None, session, max_payload, max_data,
-                      (server_nonce, client_nonce, id_bytes))
+    conn = Connection(sock, proven.key, frames.TO_CLIENT, frames.TO_SERVER, None, proven.session, max_payload,
+                      max_data, proven.nonces)
+    if proven.key is None:
+        conn.max_payload = min(max_payload, ANONYMOUS_PAYLOAD)
+    return conn

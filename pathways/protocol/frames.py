@@ -10,7 +10,8 @@ frame cannot be replayed, reordered, reflected back or moved to another connecti
 the MAC: their length and layout are, and the connection they arrive on is authenticated; the protocol does
 not encrypt (run it on a private network, or through a tunnel, where the network is not trusted).
 
-Lengths are checked against the receiver's ceilings before anything is allocated.
+Lengths are checked against the receiver's ceilings before anything is allocated, and a large payload is counted
+against its tenant's ``frame_bytes`` budget and taken in pieces as its bytes arrive.
 """
 
 from __future__ import annotations
@@ -30,6 +31,15 @@ TO_SERVER, TO_CLIENT = b"c", b"s"
 
 class FrameError(PathwaysError):
     """A frame that its receiver must not trust: the connection is closed without reading further."""
+
+
+class OverBudget(FrameError):
+    """A frame its sender's tenant may not have read now (``error`` names the budget): the endpoint says so, then
+    closes the connection, since the rest of the frame is never read."""
+
+    def __init__(self, error: PathwaysError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 def mac(key: bytes | None, direction: bytes, prefix: bytes, payload: bytes) -> bytes:

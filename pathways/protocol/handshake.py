@@ -19,6 +19,7 @@ import hashlib
 import hmac
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgpack
@@ -98,6 +99,58 @@ def connection_key(key: bytes, server_nonce: bytes, client_nonce: bytes, identit
     """The key of this connection alone, derived from the session key and the handshake: every frame's MAC uses
     it, so a frame is worth nothing on any other connection."""
     return _mac(key, b"pathways-connection", server_nonce, client_nonce, identity, session)
+
+
+@dataclass(frozen=True)
+class Proven:
+    """What a client proved in an endpoint's handshake: its session (``ANONYMOUS``: none) and this connection's key
+    (None on an anonymous connection), with what a later upgrade to a session derives its key from."""
+
+    session: int
+    key: bytes | None
+    nonces: tuple[bytes, bytes, bytes]  # server nonce, client nonce, identity bytes
+
+
+class Refused(HandshakeError):
+    """The endpoint refused the client; ``reply`` is what it sends back before closing (empty: nothing)."""
+
+    def __init__(self, reason: str, reply: bytes = b"") -> None:
+        super().__init__(reason)
+        self.reply = reply
+
+
+class Accepting:
+    """The endpoint's half of one handshake as a value that does no I/O: the ``greeting`` it sends first, the
+    ``expect`` bytes it then waits for, and ``finish``, its verdict on them. One thread can so run many handshakes
+    side by side (``resource_manager.doorway``) without giving a thread to a peer that has not proven anything.
+
+    ``session_key(session)`` is the key of a session the client may prove (None: unknown); ``anonymous`` lets a
+    client without a session in (the resource manager's, for credential-carrying requests)."""
+
+    expect = CLIENT_HELLO.size
+
+    def __init__(self, identity: Identity, session_key: Callable[[int], bytes | None], anonymous: bool) -> None:
+        self._session_key, self._anonymous = session_key, anonymous
+        self._nonce = new_nonce()
+        self._id_bytes = identity.encode()
+        self.greeting = SERVER_HELLO.pack(TAG, self._nonce, len(self._id_bytes)) + self._id_bytes
+
+    def finish(self, answer: bytes) -> tuple[bytes, Proven]:
+        """The reply to the client's ``expect`` bytes and what they proved; Refused (with the reply that says why,
+        naming no one) or HandshakeError otherwise."""
+        tag, client_nonce, session, proof = CLIENT_HELLO.unpack(answer)
+        check_tag(tag)
+        nonces = (self._nonce, client_nonce, self._id_bytes)
+        if session == ANONYMOUS:
+            if not self._anonymous:
+                raise Refused("an anonymous client", refusal("this endpoint takes only sessions the resource manager "
+                                                             "opened"))
+            return OK + bytes(PROOF_BYTES), Proven(ANONYMOUS, None, nonces)
+        key = self._session_key(session)
+        if key is None or not hmac.compare_digest(proof, client_proof(key, *nonces, session)):
+            raise Refused(f"a client failed to prove session {session}", refusal(
+                "unknown or expired session (it was closed, reclaimed, or never opened here); call pw.init() again"))
+        return OK + server_proof(key, *nonces, session), Proven(session, connection_key(key, *nonces, session), nonces)
 
 
 def check_tag(tag: bytes) -> None:

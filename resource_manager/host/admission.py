@@ -1,12 +1,12 @@
 """Admission on an island's host 0: each client's numbered stream put back in order, and every message
 decoded once and checked in meaning before it may take a place in the island's order.
 
-Ray runs a threaded actor's calls in no guaranteed order, even those of one
-caller, so each client numbers its messages and a batch that overtook an
-earlier one waits here until the gap is filled. A gap that is never filled
-(its sender died mid-send) is skipped once the resource manager revokes that
-client, or after ``gap_timeout`` seconds; it only ever holds back that
-client's own later messages.
+Each client numbers its messages, and a batch that overtook an earlier one
+waits here until the gap is filled, counted against its tenant's
+``ahead_batches`` and ``ahead_bytes`` budgets (over them, the batch is refused
+whole). A gap that is never filled (its sender died mid-send) is skipped once
+the resource manager revokes that client, or after ``gap_timeout`` seconds; it
+only ever holds back that client's own later messages.
 
 Anything wrong with one message (it does not decode, names a slice its tenant
 does not hold, ids outside its client's space, an executable it never sent, a
@@ -92,7 +92,9 @@ class Admission:
         self.templates = TemplateCache(check=lambda t: t.check(limits))
         self._lock = threading.Lock()
         self._next: dict[int, int] = {}  # client -> number of its next message
-        self._early: dict[int, dict[int, tuple[float, str, list]]] = {}  # client -> first -> (arrived, tenant, items)
+        # client -> first -> (arrived, tenant, items, bytes counted against the tenant's ahead budgets or -1)
+        self._early: dict[int, dict[int, tuple[float, str, list, int]]] = {}
+        self._ahead: dict[str, tuple[int, int]] = {}  # tenant -> (batches, bytes) waiting for an earlier one
         # a template whose slices its tenant held and whose executables it had sent, as of (grants, executables)
         # versions: a program called again is not checked again until either changes
         self._verified: dict[Template, tuple[int, int]] = {}
@@ -105,19 +107,43 @@ class Admission:
             raise WireFormatError(f"a batch is a list of 1 to {MAX_BATCH} messages with the number of the first")
         with self._lock:
             expected = self._next.get(client, 0)
-            early = self._early.setdefault(client, {})
-            if first < expected or first in early:
+            if first < expected or first in self._early.get(client, ()):
                 raise WireFormatError(f"island {self.limits.island} already has message {first} of your stream; a "
                                       "message is sent once")
-            early[first] = (time.monotonic(), tenant, items)
+            counted = -1 if first == expected else self._hold_ahead(tenant, items)
+            self._early.setdefault(client, {})[first] = (time.monotonic(), tenant, items, counted)
             return self._drain(client)
+
+    def _hold_ahead(self, tenant: str, items: list) -> int:
+        """Count a batch that must wait for an earlier one against its tenant's ``ahead_batches`` and ``ahead_bytes``
+        budgets (an honest client's batches arrive in order; only a lost or withheld one leaves others waiting);
+        ResourceError naming the budget if it does not fit. Returns the bytes counted."""
+        budgets = self.grants.budgets(tenant)
+        nbytes = sum(len(m) for m in items if isinstance(m, bytes | bytearray))
+        batches, held = self._ahead.get(tenant, (0, 0))
+        if batches + 1 > budgets.ahead_batches:
+            raise over("ahead_batches", batches, 1, budgets.ahead_batches, "batches")
+        if held + nbytes > budgets.ahead_bytes:
+            raise over("ahead_bytes", held, nbytes, budgets.ahead_bytes, "bytes")
+        self._ahead[tenant] = (batches + 1, held + nbytes)
+        return nbytes
+
+    def _let_go(self, tenant: str, counted: int) -> None:
+        if counted < 0:
+            return
+        batches, held = self._ahead[tenant]
+        if batches > 1:
+            self._ahead[tenant] = (batches - 1, held - counted)
+        else:
+            del self._ahead[tenant]
 
     def _drain(self, client: int) -> list[Admitted]:
         expected = self._next.get(client, 0)
         early = self._early.get(client, {})
         out: list[Admitted] = []
         while expected in early:
-            _, tenant, items = early.pop(expected)
+            _, tenant, items, counted = early.pop(expected)
+            self._let_go(tenant, counted)
             room = MAX_BATCH  # calls a batch may carry, merged ones counted one by one
             for item in items:
                 checked = self.check(client, tenant, item, room)
@@ -136,7 +162,7 @@ class Admission:
         with self._lock:
             for client in list(self._early):
                 early = self._early[client]
-                if min(arrived for arrived, _, _ in early.values()) < horizon:
+                if min(arrived for arrived, *_ in early.values()) < horizon:
                     resume_at = min(early)
                     missing = resume_at - self._next.get(client, 0)
                     self.skipped += missing
@@ -151,7 +177,8 @@ class Admission:
         """The client's session ended: forget its stream, gaps included."""
         with self._lock:
             self._next.pop(client, None)
-            self._early.pop(client, None)
+            for _, tenant, _, counted in self._early.pop(client, {}).values():
+                self._let_go(tenant, counted)
 
     def positions(self) -> dict[int, int]:
         """The number of the next message of each client's stream: what a snapshot saves."""
@@ -169,11 +196,17 @@ class Admission:
         with self._lock:
             self._next = dict(positions)
             self._early.clear()
+            self._ahead.clear()
 
     def waiting(self) -> int:
         """Batches waiting for an earlier message of their client's stream."""
         with self._lock:
             return sum(len(e) for e in self._early.values())
+
+    def ahead(self, tenant: str) -> tuple[int, int]:
+        """(batches, bytes) of ``tenant``'s that wait here for an earlier message of their client's stream."""
+        with self._lock:
+            return self._ahead.get(tenant, (0, 0))
 
     # -- one message ----------------------------------------------------------------------------------------
     def check(self, client: int, tenant: str, payload: Any, room: int = MAX_BATCH) -> list[Admitted]:

@@ -28,7 +28,7 @@ from pathways.messages import client_of
 from pathways.names import FETCH_TIMED_OUT
 from pathways.ops import MAX_SHARDS, region_of
 from pathways.protocol.connection import Connection
-from pathways.protocol.frames import FrameError
+from pathways.protocol.frames import FrameError, OverBudget
 from pathways.protocol.handshake import Identity
 from pathways.requests import (
     HOST_REQUESTS,
@@ -46,7 +46,7 @@ from pathways.requests import (
     Usage,
 )
 from pathways.sharding import dtype_from_wire
-from resource_manager.endpoint import Caller, Endpoint
+from resource_manager.endpoint import Caller, Endpoint, refuse_frame
 from resource_manager.host.buffers import Failure
 from resource_manager.host.grants import Session
 from resource_manager.host.transfer import Landed, local_pieces
@@ -155,7 +155,8 @@ class ClientService:
         session = self.parts.grants.session(client)
         if session is None:
             return None
-        return Caller(session.key, session.tenant, self.parts.grants.budgets(session.tenant).connections)
+        budgets = self.parts.grants.budgets(session.tenant)
+        return Caller(session.key, session.tenant, budgets.connections, budgets.frame_bytes)
 
     def close_session(self, client: int) -> None:
         """The session ended: close its connections (its pending fetches are dropped with them)."""
@@ -179,6 +180,8 @@ class ClientService:
                 if self.parts.grants.session(session.client) is None:
                     return  # the session ended meanwhile
                 self._handlers[type(request)](conn, writer, session, request, frame.data)
+        except OverBudget as exc:
+            refuse_frame(conn, exc)
         except (ConnectionError, OSError, FrameError) as exc:
             log.debug("island %d host %d: a connection of client %d ended: %s", self.host.island, self.host.index,
                       session.client, exc)
@@ -381,11 +384,15 @@ class ClientService:
         """The endpoint's counters (no tenant named)."""
         with self._lock:
             pending = sum(self._pending.values())
-        return {"client_connections_served": self.endpoint.served, "client_connections_refused": self.endpoint.refused,
-                "fetches": self.fetches, "fetches_pending": pending, "fetches_timed_out": self.timed_out}
+        return {**{f"client_{k}": v for k, v in self.endpoint.stats().items()}, "fetches": self.fetches,
+                "fetches_pending": pending, "fetches_timed_out": self.timed_out}
 
 
 def _raiser(exc: Exception) -> Callable[[], tuple[Any, list]]:
+    """An answer that is ``exc``, keeping only its kind and message: an exception keeps its traceback's frames, and
+    with them the request that failed (a batch of a gigabyte, say) for as long as the answer waits to be written."""
+    kind, message = to_wire(exc)
+
     def make() -> tuple[Any, list]:
-        raise exc
+        raise from_wire(kind, message)
     return make

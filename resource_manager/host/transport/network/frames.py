@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import math
+import os
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -73,6 +74,29 @@ def server_mac(secret: bytes, server_nonce: bytes, client_nonce: bytes, client: 
 def macs_equal(a: bytes, b: bytes) -> bool:
     """Whether two MACs are equal; compares in constant time."""
     return hmac.compare_digest(a, b)
+
+
+class Accepting:
+    """The server's half of one data connection's handshake as a value that does no I/O (run by
+    ``resource_manager.doorway``): the greeting, the bytes it then waits for, and the verdict, which is the host
+    the peer proved to be."""
+
+    expect = CLIENT_HELLO.size
+
+    def __init__(self, secret: bytes, identity: Identity) -> None:
+        self._secret, self._identity = secret, identity
+        self._nonce = os.urandom(NONCE_BYTES)
+        self.greeting = SERVER_HELLO.pack(PROTOCOL, self._nonce, pack_identity(identity))
+
+    def finish(self, answer: bytes) -> tuple[bytes, Identity]:
+        """The server's proof and the peer's identity; ProtocolError if the peer did not prove it holds the secret."""
+        protocol, ident, client_nonce, mac = CLIENT_HELLO.unpack(answer)
+        if protocol != PROTOCOL:
+            raise ProtocolError(f"speaks protocol {protocol!r}, not {PROTOCOL!r}")
+        peer = unpack_identity(ident)
+        if not macs_equal(mac, client_mac(self._secret, self._nonce, client_nonce, peer, self._identity)):
+            raise ProtocolError(f"failed authentication (claimed to be host {peer[1]} of island {peer[0]})")
+        return server_mac(self._secret, self._nonce, client_nonce, peer, self._identity), peer
 
 
 # -- data frames ---------------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """A host's data server: authenticates peer hosts and lands the chunks they push straight into landing buffers.
 
 One listening socket on the host's node IP (an ephemeral port, or one from a configured range so firewalls
-can open just that range), one thread per connection. A connection must first pass the handshake of
-``frames`` (the runtime's secret, mutual); then every frame header is checked before a byte is allocated
+can open just that range). A connection must first pass the handshake of ``frames`` (the runtime's secret,
+mutual), run on the ``Doorway``'s one thread with its bounds and deadline; only then does it get a thread of its
+own, and at most ``MAX_CONNECTIONS`` are served at once. Then every frame header is checked before a byte is allocated
 (``frames.decode_header``: sizes must agree with the shard's region and stay under a hard ceiling, or the
 connection ends), and the piece must be one the plan routes from that sender (``receives``), or the frame's
 bytes are read and dropped.
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import bisect
 import logging
-import os
 import socket
 import threading
 from collections.abc import Callable, Sequence
@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pathways.sharding import Index
+from resource_manager.doorway import Doorway
 from resource_manager.host.transport.network import frames
 from resource_manager.host.transport.network.frames import Header, Identity, ProtocolError
 from resource_manager.host.transport.network.receives import LATER, OK, Receives
@@ -34,8 +35,8 @@ from resource_manager.host.transport.network.receives import LATER, OK, Receives
 log = logging.getLogger(__name__)
 
 Alloc = Callable[[Sequence[int], np.dtype], np.ndarray]
-HANDSHAKE_TIMEOUT_S = 10.0
 DRAIN_BYTES = 1 << 20
+MAX_CONNECTIONS = 256  # peer hosts' connections served at once (each sender keeps a few per peer)
 
 
 def recv_exactly(conn: socket.socket, view: memoryview) -> None:
@@ -116,53 +117,35 @@ class DataServer:
         self._conns: set[socket.socket] = set()
         self._closed = False
         self.connections = 0
-        self.auth_refused = 0
+        self.refused = 0
         self.protocol_errors = 0
         self.broken = 0
         self.bytes_in = 0
         self.pieces_in = 0
         self.released_bytes = 0
-        threading.Thread(target=self._accept, name="net-accept", daemon=True).start()
+        self.door = Doorway(self._listener, lambda: frames.Accepting(secret, identity), self._admitted, "net")
 
     # -- connections ----------------------------------------------------------------------------------------
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, addr = self._listener.accept()
-            except OSError:
-                return  # closed
-            threading.Thread(target=self._serve, args=(conn, addr), name="net-serve", daemon=True).start()
-
-    def _handshake(self, conn: socket.socket) -> Identity:
-        nonce = os.urandom(frames.NONCE_BYTES)
-        conn.sendall(frames.SERVER_HELLO.pack(frames.PROTOCOL, nonce, frames.pack_identity(self.identity)))
-        protocol, ident, client_nonce, mac = frames.CLIENT_HELLO.unpack(recv_bytes(conn, frames.CLIENT_HELLO.size))
-        if protocol != frames.PROTOCOL:
-            raise ProtocolError(f"speaks protocol {protocol!r}, not {frames.PROTOCOL!r}")
-        peer = frames.unpack_identity(ident)
-        want = frames.client_mac(self._secret, nonce, client_nonce, peer, self.identity)
-        if not frames.macs_equal(mac, want):
-            raise ProtocolError(f"failed authentication (claimed to be host {peer[1]} of island {peer[0]})")
-        conn.sendall(frames.server_mac(self._secret, nonce, client_nonce, peer, self.identity))
-        return peer
-
-    def _serve(self, conn: socket.socket, addr: tuple) -> None:
-        with conn:
-            conn.settimeout(HANDSHAKE_TIMEOUT_S)
-            try:
-                peer = self._handshake(conn)
-            except (ProtocolError, OSError, ValueError) as exc:
-                with self._lock:
-                    self.auth_refused += 1
-                log.warning("data server %s refused a connection from %s: %s", self.address, addr, exc)
-                return
-            conn.settimeout(None)
-            keepalive(conn)
-            with self._lock:
-                if self._closed:
-                    return
+    def _admitted(self, conn: socket.socket, addr: tuple, peer: Identity) -> None:
+        """A peer host that proved itself (on the doorway's thread): served on a thread of its own, within
+        ``MAX_CONNECTIONS``."""
+        with self._lock:
+            ok = not self._closed and len(self._conns) < MAX_CONNECTIONS
+            if ok:
                 self._conns.add(conn)
                 self.connections += 1
+            else:
+                self.refused += 1
+        if not ok:
+            log.warning("data server %s refused host %d of island %d: %d connections are open", self.address, peer[1],
+                        peer[0], MAX_CONNECTIONS)
+            conn.close()
+            return
+        keepalive(conn)
+        threading.Thread(target=self._serve, args=(conn, peer), name="net-serve", daemon=True).start()
+
+    def _serve(self, conn: socket.socket, peer: Identity) -> None:
+        with conn:
             try:
                 self._frames(conn, peer)
             except ProtocolError as exc:
@@ -277,7 +260,9 @@ class DataServer:
         and bytes of partial or released pieces."""
         with self._lock:
             return {"net_connections": self.connections, "net_open_connections": len(self._conns),
-                    "net_auth_refused": self.auth_refused, "net_protocol_errors": self.protocol_errors,
+                    "net_auth_refused": self.door.refused, "net_handshakes_evicted": self.door.evicted,
+                    "net_handshakes_expired": self.door.expired, "net_refused": self.refused,
+                    "net_protocol_errors": self.protocol_errors,
                     "net_broken": self.broken, "net_bytes_in": self.bytes_in, "net_pieces_in": self.pieces_in,
                     "net_partial_bytes": sum(p.total for p in self._partials.values()),
                     "net_released_bytes": self.released_bytes}
@@ -287,10 +272,7 @@ class DataServer:
         with self._lock:
             self._closed = True
             conns = list(self._conns)
-        try:  # close() alone leaves the port listening while the accept thread waits in accept()
-            self._listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        self.door.close()
         self._listener.close()
         for conn in conns:
             try:

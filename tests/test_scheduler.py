@@ -376,6 +376,28 @@ def test_admission_work_is_charged_to_the_tenant_that_caused_it():
     assert scheduler.stats()["tenant_time_s"]["a"] == pytest.approx(0.1 + island.time("a", 0, 0.3) + 1e-3, abs=2e-3)
 
 
+def test_admission_work_for_a_batch_is_charged_with_each_message_as_it_takes_its_place():
+    """A client's batch is admitted at once; its admission work is charged a like part per message as they are
+    released, not in one lump that would put a tenant with a small share behind for a while, then ahead."""
+    scheduler = Scheduler(0, 1, window=1)
+    measured(scheduler, {"a": 1})
+    before = scheduler.stats()["tenant_time_s"]["a"]
+    scheduler.charge("a", 0.064, messages=64)
+    assert scheduler.stats()["tenant_time_s"]["a"] == pytest.approx(before)  # nothing released yet
+    released = scheduler.queue([admitted(1, "a", k) for k in range(64)])
+    assert len(released) == 1  # the window takes one call
+    assert scheduler.stats()["tenant_time_s"]["a"] == pytest.approx(before + 1e-3)
+    for _ in range(63):
+        released = scheduler.completed([[released[0][0], 1e-3]])
+    assert scheduler.stats()["tenant_time_s"]["a"] == pytest.approx(before + 0.064 + 63e-3)
+    scheduler.completed([[released[0][0], 1e-3]])  # the last: a has nothing left
+    scheduler.charge("a", 0.01, messages=5)  # five admitted, one let through: the others' part when it goes idle
+    released = scheduler.queue([admitted(1, "a", 64)])
+    assert scheduler.stats()["tenant_time_s"]["a"] == pytest.approx(before + 0.066 + 64e-3)
+    scheduler.completed([[released[0][0], 1e-3]])
+    assert scheduler.stats()["tenant_time_s"]["a"] == pytest.approx(before + 0.074 + 65e-3)
+
+
 def test_a_template_never_measured_has_one_fragment_of_its_tenant_in_flight():
     scheduler = Scheduler(0, 1, eager=100)
     released = scheduler.queue([admitted(1, "a", k) for k in range(5)] + [admitted(2, "b", k) for k in range(5)])

@@ -30,9 +30,11 @@ import threading
 import time
 
 XLA_THREADS = ("tf_", "llvm-")  # name prefixes of the threads XLA runs computations and compiles on
+UNPREEMPTED_S = 2e-4  # a run shorter than this is charged its wall time: no preemption of note fits in it (a time
+# slice the kernel gives another process is milliseconds), and reading the threads again would cost a tenth of it
 CHECK_S = 1.0  # how often the process's threads are counted (a new one may be XLA's: the meter looks again)
-Sample = tuple[int, list, float]  # the set of threads read (it changes when they are looked for again), their
-# times, and the executor thread's garbage collection time
+Sample = tuple[int, object, float]  # the set of threads read (it changes when they are looked for again), their
+# times summed (CPU nanoseconds, or run and run-queue nanoseconds), and the executor thread's garbage collection time
 
 
 class Preemption:
@@ -56,33 +58,33 @@ class Preemption:
         self.unmeasured = 0  # runs charged their wall time (the threads could not be read, or changed meanwhile)
 
     def sample(self) -> Sample | None:
-        """Each thread's CPU nanoseconds (``cpu_work``), or (ran, waited) nanoseconds, so far; None where there is
-        nothing to read."""
+        """The threads' CPU nanoseconds (``cpu_work``), or (ran, waited) nanoseconds, so far, summed; None where
+        there is nothing to read."""
         if self._stat is None:
             return None
         try:
             if self._threads < 0:
                 self._rescan()
             if self.cpu_work:
-                return self._generation, [time.clock_gettime_ns(clock) for clock in self._read], gc_cpu_s()
-            return self._generation, [_times(os.pread(fd, 96, 0)) for fd in self._read], gc_cpu_s()
+                return self._generation, sum(map(time.clock_gettime_ns, self._read)), gc_cpu_s()
+            times = [_times(os.pread(fd, 96, 0)) for fd in self._read]
+            return self._generation, (sum(t[0] for t in times), sum(t[1] for t in times)), gc_cpu_s()
         except OSError:  # a thread ended: look again, and correct nothing this time
             self._threads = -1
             return None
 
     def charge(self, before: Sample | None, wall: float) -> float:
         """The island time of a run that started at ``before`` and took ``wall`` seconds, by the module's rule."""
-        if before is None or wall <= 0:
+        if before is None or wall < UNPREEMPTED_S:
             return wall
         after = self.sample()
         if after is None or after[0] != before[0] or not self._same_threads():
             self.unmeasured += 1
             return wall
         if self.cpu_work:
-            charged = min(wall, (sum(after[1]) - sum(before[1])) * 1e-9)
+            charged = min(wall, (after[1] - before[1]) * 1e-9)
         else:
-            ran = sum(a[0] - b[0] for a, b in zip(after[1], before[1])) * 1e-9
-            waited = sum(a[1] - b[1] for a, b in zip(after[1], before[1])) * 1e-9
+            ran, waited = (after[1][0] - before[1][0]) * 1e-9, (after[1][1] - before[1][1]) * 1e-9
             charged = min(wall, max(wall - waited, ran))
         charged = max(0.0, charged - (after[2] - before[2]))  # collecting garbage is the host's work, not the run's
         self.uncharged_s += wall - charged

@@ -210,6 +210,7 @@ class Scheduler:
         self._cost: OrderedDict[tuple[str, Template | None], float] = OrderedDict()  # seconds per op
         self._over_cap: OrderedDict[tuple[str, Template | None], float] = OrderedDict()  # its longest computation
         self._throttled: dict[str, _Throttle] = {}  # one per tenant at most
+        self._admitting: dict[str, tuple[float, int]] = {}  # admission seconds not charged yet, and their messages
         self._inflight: dict[int, _Flight] = {}
         self._blocked: dict[int, _Flight] = {}
         self._flying: dict[str, int] = {}  # tenant -> its fragments in the window
@@ -244,13 +245,32 @@ class Scheduler:
                 self._due.notify_all()
             return self._release() if len(self._inflight) < self.eager else []
 
-    def charge(self, tenant: str, seconds: float) -> None:
-        """Charge ``tenant`` for ``seconds`` of the island's work done outside its fragments (admitting its
-        messages): it counts against its share like the time its fragments ran."""
+    def charge(self, tenant: str, seconds: float, messages: int = 0) -> None:
+        """Charge ``tenant`` for ``seconds`` of the island's work done outside its fragments (admitting
+        ``messages`` of its messages): it counts against its share like the time its fragments ran. Admission
+        work for messages is charged as they are released, a like part with each: a client's batch of a hundred
+        calls is admitted at once, and charged in one lump it would put a tenant of a small share behind for a
+        while, then ahead, where each call's part keeps it where its calls are."""
         with self._lock:
+            if messages > 0:
+                pooled, count = self._admitting.get(tenant, (0.0, 0))
+                self._admitting[tenant] = (pooled + seconds, count + messages)
+                return
             self._wake(tenant)
             self._pass[tenant] += seconds / self._weight(tenant)
             self._account(tenant, seconds)
+
+    def _admitted(self, tenant: str, messages: int) -> None:
+        """``messages`` of the tenant's messages took their place in the order: charge their part of the admission
+        work pooled for it."""
+        pooled, count = self._admitting.pop(tenant, (0.0, 0))
+        if not count:
+            return
+        if messages < count:
+            self._admitting[tenant] = (pooled * (1 - messages / count), count - messages)
+            pooled *= messages / count
+        self._pass[tenant] += pooled / self._weight(tenant)
+        self._account(tenant, pooled)
 
     def _weight(self, tenant: str) -> float:
         return self._weights.get(tenant, 1.0)
@@ -415,6 +435,8 @@ class Scheduler:
                 entry = self._refuse_over_cap(item)
             if not entry.counts:
                 released.append((seq, entry))
+                if self._admitting:
+                    self._admitted(tenant, 1)
                 self._maybe_idle(tenant)
                 continue
             key = (tenant, entry.template)
@@ -439,6 +461,8 @@ class Scheduler:
                 calls += len(more)
                 self._fragments[tenant] = self._fragments.get(tenant, 0) + calls
                 ops = n_ops * calls
+            if self._admitting and not rest:
+                self._admitted(tenant, calls)
             if hi < n_ops:  # the rest goes before the tenant's later messages
                 queues.setdefault(tenant, deque()).appendleft(_Rest(entry, item.seq if rest else seq, hi))
             estimate = FIRST_ESTIMATE_S if cost is None else max(cost * ops, 1e-6)
@@ -582,6 +606,8 @@ class Scheduler:
     def _maybe_idle(self, tenant: str) -> None:
         if not self._active(tenant):
             self._idle_since.setdefault(tenant, time.monotonic())
+            if tenant in self._admitting:  # messages that took no place (merged, dropped): their work is charged now
+                self._admitted(tenant, self._admitting[tenant][1])
 
     def stats(self) -> dict:
         """The scheduler's counters: sequence numbers issued, window, queued/in-flight/blocked fragments, and each

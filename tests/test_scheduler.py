@@ -378,24 +378,24 @@ def test_admission_work_is_charged_to_the_tenant_that_caused_it():
 
 def test_admission_work_for_a_batch_is_charged_with_each_message_as_it_takes_its_place():
     """A client's batch is admitted at once; its admission work is charged a like part per message as they are
-    released, not in one lump that would put a tenant with a small share behind for a while, then ahead."""
+    released, not in one lump that would put a tenant with a small share behind for a while, then ahead. The last
+    call of the batch before completing while the next batch is admitted does not make the tenant look idle."""
     scheduler = Scheduler(0, 1, window=1)
     measured(scheduler, {"a": 1})
     before = scheduler.stats()["tenant_time_s"]["a"]
-    scheduler.charge("a", 0.064, messages=64)
-    assert scheduler.stats()["tenant_time_s"]["a"] == pytest.approx(before)  # nothing released yet
-    released = scheduler.queue([admitted(1, "a", k) for k in range(64)])
+    released = scheduler.queue([admitted(1, "a", k) for k in range(64)], "a", 0.064)
     assert len(released) == 1  # the window takes one call
     assert scheduler.stats()["tenant_time_s"]["a"] == pytest.approx(before + 1e-3)
     for _ in range(63):
         released = scheduler.completed([[released[0][0], 1e-3]])
     assert scheduler.stats()["tenant_time_s"]["a"] == pytest.approx(before + 0.064 + 63e-3)
-    scheduler.completed([[released[0][0], 1e-3]])  # the last: a has nothing left
-    scheduler.charge("a", 0.01, messages=5)  # five admitted, one let through: the others' part when it goes idle
-    released = scheduler.queue([admitted(1, "a", 64)])
+    assert scheduler.queue([admitted(1, "a", k) for k in range(64, 96)], "a", 0.064) == []  # the window is full
+    scheduler.completed([[released[0][0], 1e-3]])  # the first batch's last call: a's next is released
     assert scheduler.stats()["tenant_time_s"]["a"] == pytest.approx(before + 0.066 + 64e-3)
-    scheduler.completed([[released[0][0], 1e-3]])
-    assert scheduler.stats()["tenant_time_s"]["a"] == pytest.approx(before + 0.074 + 65e-3)
+    assert scheduler.queue([], "a", 0.005) == []  # no message: charged at once
+    assert scheduler.stats()["tenant_time_s"]["a"] == pytest.approx(before + 0.071 + 64e-3)
+    assert scheduler.queue([], "a", 0.010, messages=10) == []  # held for a gap in the stream: charged as they go
+    assert scheduler.stats()["tenant_time_s"]["a"] == pytest.approx(before + 0.071 + 64e-3)
 
 
 def test_a_template_never_measured_has_one_fragment_of_its_tenant_in_flight():

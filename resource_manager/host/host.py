@@ -192,16 +192,17 @@ class Host:
         if self.quiescing:
             raise ClusterSuspendedError("the cluster is being suspended by its admin; this batch was not taken, and "
                                         "the client sends it again once the cluster resumes")
+        # checking the tenant's messages is the island's work for it: this thread's CPU time, garbage collection
+        # aside (its wall time counts waits for the interpreter and for other processes, and a collection is the
+        # host's work for everything it holds: no work of the tenant's), charged with the messages it let through
         start = time.thread_time() - gc_cpu_s()
-        admitted: list[Admitted] = []
         try:
             admitted = p.admission.accept(session.client, session.tenant, first, msgs)
-        finally:  # checking the tenant's messages was the island's work for it: this thread's CPU time, garbage
-            # collection aside (its wall time counts waits for the interpreter and for other processes, and a
-            # collection is the host's work for everything it holds: no work of the tenant's), charged with the
-            # messages it let through as they take their places
-            p.scheduler.charge(session.tenant, time.thread_time() - gc_cpu_s() - start, len(admitted))
-        self._forward(p.scheduler.queue(admitted))
+        except BaseException:
+            p.scheduler.charge(session.tenant, time.thread_time() - gc_cpu_s() - start)
+            raise
+        spent = time.thread_time() - gc_cpu_s() - start
+        self._forward(p.scheduler.queue(admitted, session.tenant, spent, len(msgs)))
 
     def _forward(self, released: Released) -> None:
         """The scheduler's batch to every host: this one's without an actor call."""

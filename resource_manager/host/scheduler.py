@@ -229,9 +229,22 @@ class Scheduler:
             self._weights[tenant] = weight
 
     # -- the order ------------------------------------------------------------------------------------------
-    def queue(self, entries: list[Admitted]) -> Released:
-        """Queue admitted messages; release what the window allows while few fragments are in flight."""
+    def queue(self, entries: list[Admitted], tenant: str | None = None, admission_s: float = 0.0,
+              messages: int = 0) -> Released:
+        """Queue admitted messages; release what the window allows while few fragments are in flight.
+        ``admission_s``: the island's work admitting ``messages`` messages of ``tenant`` (those held for a gap in
+        its stream included: they come later), charged a like part with each as it takes its place. A client's
+        batch of a hundred calls is admitted at once; charged in one lump it would put a tenant of a small share
+        behind for a while, then ahead. Pooled in the same lock as the entries are queued, so the tenant is never
+        seen idle in between (what is pooled for a tenant that goes idle is charged then)."""
         with self._lock:
+            count = max(messages, len(entries))
+            if tenant is not None and admission_s > 0:
+                if count:
+                    pooled, waiting = self._admitting.get(tenant, (0.0, 0))
+                    self._admitting[tenant] = (pooled + admission_s, waiting + count)
+                else:
+                    self._charge(tenant, admission_s)
             self._received[0] += 1
             self._received[1] += len(entries)
             queues = self._queues
@@ -245,20 +258,16 @@ class Scheduler:
                 self._due.notify_all()
             return self._release() if len(self._inflight) < self.eager else []
 
-    def charge(self, tenant: str, seconds: float, messages: int = 0) -> None:
-        """Charge ``tenant`` for ``seconds`` of the island's work done outside its fragments (admitting
-        ``messages`` of its messages): it counts against its share like the time its fragments ran. Admission
-        work for messages is charged as they are released, a like part with each: a client's batch of a hundred
-        calls is admitted at once, and charged in one lump it would put a tenant of a small share behind for a
-        while, then ahead, where each call's part keeps it where its calls are."""
+    def charge(self, tenant: str, seconds: float) -> None:
+        """Charge ``tenant`` for ``seconds`` of the island's work done outside its fragments (admitting its
+        messages, when none was let through): it counts against its share like the time its fragments ran."""
         with self._lock:
-            if messages > 0:
-                pooled, count = self._admitting.get(tenant, (0.0, 0))
-                self._admitting[tenant] = (pooled + seconds, count + messages)
-                return
-            self._wake(tenant)
-            self._pass[tenant] += seconds / self._weight(tenant)
-            self._account(tenant, seconds)
+            self._charge(tenant, seconds)
+
+    def _charge(self, tenant: str, seconds: float) -> None:
+        self._wake(tenant)
+        self._pass[tenant] += seconds / self._weight(tenant)
+        self._account(tenant, seconds)
 
     def _admitted(self, tenant: str, messages: int) -> None:
         """``messages`` of the tenant's messages took their place in the order: charge their part of the admission

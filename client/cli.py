@@ -312,7 +312,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                 started.update(pid=pid, dir=folder)
                 head.save_state(ClusterState(None, None, pid, folder, topology.to_wire(), time.time(), "starting"))
 
-            ray_address, _, _ = head.start_head(args.port, args.num_cpus, args.timeout, record)
+            ray_address, _, _ = head.start_head(args.port, args.num_cpus, args.timeout, record,
+                                                    frozenset({args.client_port}))
             say(f"Ray head started at {ray_address} (logs {started['dir']}) in {time.monotonic() - t0:.1f}s")
         head.save_state(ClusterState(None, ray_address, started["pid"], started["dir"], topology.to_wire(),
                                      time.time(), "starting"))

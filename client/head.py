@@ -114,11 +114,24 @@ def unpublish(address: str | None) -> None:
 
 # -- the head --------------------------------------------------------------------------------------
 
-def free_port() -> int:
-    """A TCP port free on this machine now."""
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+def free_ports(count: int, avoid: set[int]) -> list[int]:
+    """``count`` distinct TCP ports free on this machine now, none in ``avoid``. They are held together while
+    chosen: one at a time, the kernel may hand out the same port twice, and Ray refuses to start when two of its
+    components are given one port."""
+    held: dict[int, socket.socket] = {}
+    try:
+        while len(held) < count:
+            s = socket.socket()
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+            if port in avoid or port in held:
+                s.close()
+                continue
+            held[port] = s
+        return list(held)
+    finally:
+        for s in held.values():
+            s.close()
 
 
 def port_free(port: int) -> bool:
@@ -163,15 +176,17 @@ class _SlowStart(Exception):
     """Ray gave up on its own raylet: it allows it 30 s to register, which a busy machine can exceed."""
 
 
-def start_head(port: int, num_cpus: int | None, timeout: float, record: callable) -> tuple[str, int, str]:
+def start_head(port: int, num_cpus: int | None, timeout: float, record: callable,
+               avoid: frozenset[int] = frozenset()) -> tuple[str, int, str]:
     """Start ``ray start --head --block`` in its own process group with its own temp dir; ``record(pid, dir)``
-    is called as soon as the process exists. Returns (GCS address, head pid, temp dir)."""
+    is called as soon as the process exists; Ray's other ports keep clear of ``avoid`` (the runtime's own).
+    Returns (GCS address, head pid, temp dir)."""
     check_port_free(port, "Ray")
     ensure_ray_token()
     deadline = time.monotonic() + timeout
     for attempt in range(1, 4):
         try:
-            return _start_head(port, num_cpus, deadline, record)
+            return _start_head(port, num_cpus, deadline, record, avoid)
         except _SlowStart as exc:
             if attempt == 3 or deadline - time.monotonic() < 45:
                 raise CliError(f"the Ray head did not start: {exc}") from None
@@ -179,17 +194,19 @@ def start_head(port: int, num_cpus: int | None, timeout: float, record: callable
     raise AssertionError("unreachable")
 
 
-def _start_head(port: int, num_cpus: int | None, deadline: float, record: callable) -> tuple[str, int, str]:
+def _start_head(port: int, num_cpus: int | None, deadline: float, record: callable,
+                avoid: frozenset[int]) -> tuple[str, int, str]:
     # Ray makes its temp dir and session folders world-writable (0777, no sticky bit), where a tenant's job could
     # move Ray's sockets: they go in a folder of this user alone (mkdtemp's 0700), which nobody else can enter.
     # The name stays short: Ray's socket paths live under it.
     temp_dir = tempfile.mkdtemp(prefix="pathways-ray-")
     ray_dir = Path(temp_dir) / RAY_DIR
+    client, agent, agent_grpc, metrics, runtime_env = free_ports(5, {port, *avoid})
     cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--disable-usage-stats",
            f"--temp-dir={ray_dir}", f"--port={port}", "--include-dashboard=false",
-           f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
-           f"--dashboard-agent-grpc-port={free_port()}", f"--metrics-export-port={free_port()}",
-           f"--runtime-env-agent-port={free_port()}"]
+           f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent}",
+           f"--dashboard-agent-grpc-port={agent_grpc}", f"--metrics-export-port={metrics}",
+           f"--runtime-env-agent-port={runtime_env}"]
     if num_cpus is not None:
         cmd.append(f"--num-cpus={num_cpus}")
     # Without this, SIGTERM first drains the node for up to 30 s.

@@ -56,9 +56,7 @@ JOB_SCRIPT = textwrap.dedent("""
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+    return head.free_ports(1, set())[0]
 
 
 def mode(path: Path) -> int:
@@ -83,7 +81,7 @@ class Cli:
         self.env.update(PATHWAYS_HOME=str(home), PATHWAYS_TMPDIR=str(tmpdir))
         self.home, self.workdir = home, workdir
         self.command = [sys.executable, "-m", "client.cli"]
-        self.port, self.client_port = free_port(), free_port()
+        self.port, self.client_port = head.free_ports(2, set())
         self.topology = ["--islands", "1", "--hosts-per-island", "1", "--devices-per-host", "2"]
 
     def __call__(self, *args: str, timeout: float = 120.0, ok: bool = True,

@@ -96,6 +96,33 @@ def test_a_port_in_time_wait_is_free_and_one_in_use_is_not():
     assert head.port_free(port)  # what `pathways up` right after `down` sees
 
 
+def test_rays_ports_are_distinct_and_keep_clear_of_the_runtimes(monkeypatch):
+    """Ray refuses to start when two of its components get one port: the kernel handing out a port twice, or the
+    runtime's own, must not reach it."""
+    real = socket.socket
+    handed = iter([41001, 41001, 41002, 41003, 41004, 41002, 41005])  # a repeat, and the runtime's port 41002
+
+    class Bound:  # a socket whose bind(("", 0)) gets the next port of `handed`
+        def __init__(self) -> None:
+            self.port = next(handed)
+
+        def bind(self, address: tuple) -> None:
+            assert address == ("", 0)
+
+        def getsockname(self) -> tuple:
+            return ("0.0.0.0", self.port)
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(head.socket, "socket", Bound)
+    ports = head.free_ports(3, {41002})
+    monkeypatch.setattr(head.socket, "socket", real)
+    assert ports == [41001, 41003, 41004], ports  # the repeat could not happen: 41001 was still held
+    many = head.free_ports(40, {head.free_ports(1, set())[0]})
+    assert len(set(many)) == 40
+
+
 def test_the_status_table_shows_the_admin_everything_and_a_tenant_only_its_own():
     from pathways.cluster import ClusterStatus, HostStatus, IslandStatus
     from pathways.topology import Topology

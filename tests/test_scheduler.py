@@ -754,3 +754,28 @@ def test_work_in_flight_when_others_come_back_is_no_debt_to_them():
     island.run(1.0)
     solo = island.log[1][1]  # the end of its two groups
     assert island.time("w1", solo + 0.1, solo + 0.6) == pytest.approx(0.5 / 15, rel=0.15)  # its share, at once
+
+
+def test_work_in_flight_that_ran_over_its_estimate_when_others_came_is_no_debt_either():
+    """As above, on a busy machine: the window the lone tenant had in flight when the others came runs three times
+    its estimate (the first calls after a pause do). The others start where it really ended, not where its estimate
+    said, so the weight-1 tenant is not kept waiting for 14 times the excess."""
+    weights = {"w1": 1.0, "w2": 2.0, "w4": 4.0, "w8": 8.0}
+    scheduler = Scheduler(0, 1, group=32)
+    for tenant, weight in weights.items():
+        scheduler.set_weight(tenant, weight)
+    clients = {t: k for k, t in enumerate(weights, start=1)}
+    measured(scheduler, clients, busy=8e-4)
+
+    def cost(tenant: str, _: Template) -> float:  # slow until another tenant ran
+        return 8e-4 if any(t != "w1" for *_, t, _ in island.log) else 2.4e-3
+
+    island = Island(scheduler, cost)
+    island.queue([admitted(1, "w1", k) for k in range(1, 20000)])
+    assert len(calls_of(island.pending)) >= 32
+    for tenant in ("w2", "w4", "w8"):
+        island.queue([admitted(clients[tenant], tenant, k) for k in range(1, 20000)])
+    island.run(1.0)
+    solo = island.log[1][1]  # the end of its two groups
+    assert island.log[1][1] - island.log[0][0] > 3 * 32 * 8e-4  # its two groups did run slow
+    assert island.time("w1", solo + 0.1, solo + 0.6) == pytest.approx(0.5 / 15, rel=0.15)

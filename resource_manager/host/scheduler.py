@@ -26,7 +26,8 @@ Virtual time. The island's virtual time is the lowest pass, counting measured
 time only, among tenants with work queued or in flight. A new tenant starts
 there, or where the places in flight then end if that is later (the lowest
 pass plus estimate among tenants with places in flight: work released before
-it came is no debt owed to it), so its first fragment goes at the next release.
+it came is no debt owed to it; once those places complete, where they really
+ended), so its first fragment goes at the next release.
 One that comes back after it was idle starts at most its weight's share of
 ``credit_s`` seconds of island time (one quantum, the window's worth) behind
 that: like a sleeper in a
@@ -171,6 +172,7 @@ class _Flight:
     ops: int
     unmeasured: bool
     calls: int = 1  # a group's calls, each a fragment of the window
+    came: list[str] | None = None  # tenants that woke while it flew and started where it would end (by estimate)
 
 
 @dataclass(slots=True)
@@ -299,10 +301,16 @@ class Scheduler:
             if since is not None:
                 self._idle[tenant] = self._idle.get(tenant, 0.0) + time.monotonic() - since
             vtime = self._virtual_time()
-            flying = [self._pass[t] + self._owed.get(t, 0.0) for t in self._pass if self._flying.get(t)]
+            flying = {t: self._pass[t] + self._owed.get(t, 0.0) for t in self._pass if self._flying.get(t)}
+            first = min(flying, key=flying.__getitem__, default=None)
             weights = self._weight(tenant) + sum(self._weight(t) for t in self._pass if self._active(t))
-            floor = max(vtime, min(flying, default=vtime)) - self.credit_s / weights
-            self._pass[tenant] = max(self._pass.get(tenant, vtime), floor)
+            floor = max(vtime, flying[first] if first else vtime) - self.credit_s / weights
+            before = self._pass.get(tenant, vtime)
+            self._pass[tenant] = max(before, floor)
+            if first is not None and flying[first] > vtime and floor > before:
+                for flight in self._inflight.values():  # where they really end is known once they complete
+                    if flight.tenant == first:
+                        flight.came = [*(flight.came or ()), tenant]
 
     def _virtual_time(self) -> float:
         """The lowest pass among tenants with work queued or in flight (it never moves back), a throttled tenant's
@@ -538,7 +546,10 @@ class Scheduler:
                     continue
                 tenant = flight.tenant
                 self._account(tenant, busy, second)
-                self._pass[tenant] += busy / self._weights.get(tenant, 1.0)
+                used = busy / self._weights.get(tenant, 1.0)
+                self._pass[tenant] += used
+                if flight.came:
+                    self._started_after(flight.came, used - flight.owed)
                 ran = busy - (rest[0] if rest else 0.0)
                 if ran > 0:  # a run that only compiled says nothing of what the next will take
                     self._learn(flight.key, ran / max(flight.ops, 1))
@@ -555,6 +566,15 @@ class Scheduler:
                     self._throttle(tenant, busy, over, now)
             self._end_busy_period()
             return self._release()
+
+    def _started_after(self, tenants: list[str], error: float) -> None:
+        """Tenants that woke while a place released before them flew started where it would end by its estimate;
+        it took ``error`` (in pass) more (or less): they start where it really ended. On a busy machine the first
+        window after a pause runs well over its estimate, and a tenant that had the island to itself a moment
+        must not owe the excess to those that came after, nor they to it."""
+        for tenant in tenants:
+            if self._active(tenant):
+                self._pass[tenant] = max(self._pass[tenant] + error, min(self._pass[tenant], self._vtime))
 
     def _learn(self, key: tuple[str, Template | None], per_op: float) -> None:
         """A template's cost per op: up at once to what it just took, down slowly, so that work which turned

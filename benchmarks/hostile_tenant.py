@@ -9,8 +9,9 @@ ops, bursts of long computations, fresh long programs (and programs that compile
 its op_ms budget, a gigabyte of host memory, sessions and connections by the dozen, ten
 thousand cheap requests, job archives announced without a credential, and its session after the admin rotated
 its credential. Its jobs' hostile processes (reading another tenant's job, the runtime's files, Ray) need a
-runtime started by `pathways up` as root, where each tenant's jobs run as a user of its own: tests/test_cli.py
-and tests/test_job_runner.py try those. The victim's latency alone is measured first. The last line:
+runtime started by `pathways up` as root, where each tenant's jobs run as a user of its own:
+tests/command/test_cli.py and tests/resource_manager/test_job_runner.py try those. The victim's latency alone is
+measured first. The last line:
 
     hostile tenant: A abuses, victim served S/N, worst victim latency L ms (alone M ms), lost 0
 

@@ -4,7 +4,7 @@ A client sends an island's scheduler these kinds, in its numbered stream:
 ``Call`` (run a fragment template with these buffer ids), ``Calls`` (calls of one
 template sent back to back, merged), ``Put`` (place a host value on a slice) and
 ``Free`` (drop buffers). Hosts send each other ``Deliver``
-(shards for a receive) and ``returned`` (leases of lent shards coming back).
+(shards for a receive) and ``Returned`` (leases of lent shards coming back).
 The resource manager's orders to its hosts are declared at the end; the client
 protocol's requests live in ``pathways.requests``.
 
@@ -201,7 +201,13 @@ wire.register("deliver", {"key": int, "src": int, "host": int, "shards": ("list"
                           "failure": ("opt", ("list", str)),
                           "direct": ("opt", {"lease": int, "addrs": ("list", int), "channel": str}),
                           "dtype": ("opt", str)})
-wire.register("returned", {"leases": ("list", int)})
+
+
+@declare("returned", {"leases": ("list", int)})
+class Returned:
+    """Leases of lent shards coming back to the host that lent them: its receiver copied them, or never will."""
+
+    leases: tuple[int, ...]
 
 
 # -- the resource manager's orders to its hosts (signed with the runtime key, bound to the host) ------------

@@ -23,8 +23,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from pathways import wire
+from pathways import op_wire, wire
 from pathways.errors import ProgramError, ResourceError, WireFormatError
+from pathways.op_wire import FREES, INT, SLOTS, TEXT, Codec, many, on_wire, optional
 from pathways.sharding import check_spec, dtype_from_wire, spec_from_wire
 
 WireSpec = tuple  # a PartitionSpec's wire form: entries None | axis name | tuple of axis names
@@ -159,9 +160,14 @@ class SliceDesc:
 
 
 class Op:
-    """Base of the fragment ops: which slots it reads, writes, and frees right after it runs."""
+    """Base of the fragment ops: which slots it reads, writes, and frees right after it runs.
+
+    An op kind is declared once, as its class: ``@op_wire.declare(kind)``, each field ``on_wire`` (its wire name
+    and codec), ``reads``/``writes`` (and ``other_slots``), and ``check``, its meaning against an island. What a
+    host does with it is declared once too: its handler, on the host side."""
 
     KIND: ClassVar[str]
+    RECEIVES: ClassVar[bool] = False  # it takes a value another island sends (a fragment holding one may park)
     frees: tuple[int, ...]
 
     def reads(self) -> tuple[int, ...]:
@@ -170,6 +176,14 @@ class Op:
 
     def writes(self) -> tuple[int, ...]:
         """The slots the op writes."""
+        return ()
+
+    def other_slots(self) -> tuple[int, ...]:
+        """Slots the op names but neither reads nor writes here (a send's receive slot): checked in range too."""
+        return ()
+
+    def executables(self) -> tuple[str, ...]:
+        """The content hashes of the executables the op runs."""
         return ()
 
     def touches(self) -> tuple[int, ...]:
@@ -188,20 +202,24 @@ class Op:
         """Meaning beyond the schema, once the template's slot bookkeeping has been checked."""
 
 
-@dataclass(frozen=True)
+SPEC = Codec(wire.SPEC, spec_of, spec_to_list)
+SPECS = many(SPEC)
+AVAL = Codec(wire.AVAL, Aval.from_wire, Aval.to_wire)
+
+
+@op_wire.declare("exec")
 class Exec(Op):
     """Run compiled function ``exe`` on a slice: inputs and outputs by slot, with their shardings."""
 
-    KIND: ClassVar[str] = "exec"
-    exe: str
-    slice: str
-    inputs: tuple[int, ...]
-    outputs: tuple[int, ...]
-    in_specs: tuple[WireSpec, ...]
-    out_specs: tuple[WireSpec, ...]
-    name: str
-    frees: tuple[int, ...] = ()
-    donate: tuple[int, ...] = ()  # positions in ``inputs`` whose buffers XLA may reuse for outputs
+    exe: str = on_wire(TEXT)
+    slice: str = on_wire(TEXT)
+    inputs: tuple[int, ...] = on_wire(SLOTS, "in")
+    outputs: tuple[int, ...] = on_wire(SLOTS, "out")
+    in_specs: tuple[WireSpec, ...] = on_wire(SPECS)
+    out_specs: tuple[WireSpec, ...] = on_wire(SPECS)
+    name: str = on_wire(TEXT)
+    frees: tuple[int, ...] = on_wire(FREES, default=())
+    donate: tuple[int, ...] = on_wire(optional(SLOTS), default=())  # positions in ``inputs`` XLA may reuse
 
     def reads(self) -> tuple[int, ...]:
         """The input slots."""
@@ -210,6 +228,10 @@ class Exec(Op):
     def writes(self) -> tuple[int, ...]:
         """The output slots."""
         return self.outputs
+
+    def executables(self) -> tuple[str, ...]:
+        """The one it runs."""
+        return (self.exe,)
 
     def label(self) -> str:
         """The compiled function's name."""
@@ -262,21 +284,28 @@ def region_of(shard: Sequence[Sequence[int]]) -> Region:
     return tuple(out)
 
 
-@dataclass(frozen=True)
+ROUTES = many(Codec({"host": int, "to": int, "shards": ("list", ("list", ("list", int)))}, Route.from_wire,
+                    Route.to_wire))
+
+
+@op_wire.declare("send")
 class Send(Op):
     """Send a value's shards to island ``island``'s hosts (another island's, or other hosts of this one), where a
     Recv with receive slot ``key`` takes them."""
 
-    KIND: ClassVar[str] = "send"
-    source: int
-    key: int
-    island: int
-    routes: tuple[Route, ...]
-    frees: tuple[int, ...] = ()
+    source: int = on_wire(INT, "in")
+    key: int = on_wire(INT)
+    island: int = on_wire(INT)
+    routes: tuple[Route, ...] = on_wire(ROUTES)
+    frees: tuple[int, ...] = on_wire(FREES, default=())
 
     def reads(self) -> tuple[int, ...]:
         """The value sent."""
         return (self.source,)
+
+    def other_slots(self) -> tuple[int, ...]:
+        """The receive slot (a value of this call, written on the receiving side)."""
+        return (self.key,)
 
     def check(self, template: Template, limits: Limits) -> None:
         """The target island exists, the receive slot is a value of this call, and each route names hosts that exist.
@@ -300,19 +329,19 @@ class Expect:
     shards: dict[int, frozenset[Region]]  # source host -> the shards it sends here
 
 
-@dataclass(frozen=True)
+@op_wire.declare("recv")
 class Recv(Op):
     """Take the shards island ``src`` sends for slot ``out`` and land them as an array on a slice; ``routes`` is
     the transfer's plan (which source host sends which shards to which host here), the same as the Send's."""
 
-    KIND: ClassVar[str] = "recv"
-    out: int
-    slice: str
-    spec: WireSpec
-    aval: Aval
-    src: int
-    routes: tuple[Route, ...]
-    frees: tuple[int, ...] = ()
+    RECEIVES: ClassVar[bool] = True
+    out: int = on_wire(INT)
+    slice: str = on_wire(TEXT)
+    spec: WireSpec = on_wire(SPEC)
+    aval: Aval = on_wire(AVAL)
+    src: int = on_wire(INT)
+    routes: tuple[Route, ...] = on_wire(ROUTES)
+    frees: tuple[int, ...] = on_wire(FREES, default=())
 
     def writes(self) -> tuple[int, ...]:
         """The slot the landed array fills."""
@@ -344,16 +373,15 @@ class Recv(Op):
                     raise ProgramError(f"{what}: shard {shard} is not a region of an array of shape {self.aval.shape}")
 
 
-@dataclass(frozen=True)
+@op_wire.declare("reshard")
 class Reshard(Op):
     """Reshard a value to another spec on the same host (no transfer)."""
 
-    KIND: ClassVar[str] = "reshard"
-    source: int
-    out: int
-    slice: str
-    spec: WireSpec
-    frees: tuple[int, ...] = ()
+    source: int = on_wire(INT, "in")
+    out: int = on_wire(INT)
+    slice: str = on_wire(TEXT)
+    spec: WireSpec = on_wire(SPEC)
+    frees: tuple[int, ...] = on_wire(FREES, default=())
 
     def reads(self) -> tuple[int, ...]:
         """The value resharded."""
@@ -393,59 +421,6 @@ def check_fits(aval: Aval, spec: WireSpec, desc: SliceDesc, limits: Limits, what
                             f"({limits.device_bytes / 2**30:.3g} GiB per device)")
 
 
-_OP_SCHEMAS: dict[str, dict] = {
-    "exec": {"op": str, "exe": str, "slice": str, "in": ("list", int), "out": ("list", int),
-             "in_specs": ("list", wire.SPEC), "out_specs": ("list", wire.SPEC), "name": str,
-             "frees": ("opt", ("list", int)), "donate": ("opt", ("list", int))},
-    "send": {"op": str, "in": int, "key": int, "island": int,
-             "routes": ("list", {"host": int, "to": int, "shards": ("list", ("list", ("list", int)))}),
-             "frees": ("opt", ("list", int))},
-    "recv": {"op": str, "out": int, "slice": str, "spec": wire.SPEC, "aval": wire.AVAL, "src": int,
-             "routes": ("list", {"host": int, "to": int, "shards": ("list", ("list", ("list", int)))}),
-             "frees": ("opt", ("list", int))},
-    "reshard": {"op": str, "in": int, "out": int, "slice": str, "spec": wire.SPEC, "frees": ("opt", ("list", int))},
-}
-
-
-def op_from_wire(d: Mapping) -> Op:
-    """A typed op from its (schema-checked) msgpack map."""
-    kind = d["op"]
-    frees = tuple(d.get("frees") or ())
-    if kind == "exec":
-        return Exec(d["exe"], d["slice"], tuple(d["in"]), tuple(d["out"]), tuple(spec_of(s) for s in d["in_specs"]),
-                    tuple(spec_of(s) for s in d["out_specs"]), d["name"], frees, tuple(d.get("donate") or ()))
-    if kind == "send":
-        return Send(d["in"], d["key"], d["island"], tuple(Route.from_wire(r) for r in d["routes"]), frees)
-    if kind == "recv":
-        return Recv(d["out"], d["slice"], spec_of(d["spec"]), Aval.from_wire(d["aval"]), d["src"],
-                    tuple(Route.from_wire(r) for r in d["routes"]), frees)
-    return Reshard(d["in"], d["out"], d["slice"], spec_of(d["spec"]), frees)
-
-
-def op_to_wire(op: Op) -> dict:
-    """An op's msgpack map (the inverse of ``op_from_wire``)."""
-    out: dict[str, Any]
-    if isinstance(op, Exec):
-        out = {"op": "exec", "exe": op.exe, "slice": op.slice, "in": list(op.inputs), "out": list(op.outputs),
-               "in_specs": [spec_to_list(s) for s in op.in_specs], "out_specs": [spec_to_list(s) for s in op.out_specs],
-               "name": op.name}
-        if op.donate:
-            out["donate"] = list(op.donate)
-    elif isinstance(op, Send):
-        out = {"op": "send", "in": op.source, "key": op.key, "island": op.island,
-               "routes": [r.to_wire() for r in op.routes]}
-    elif isinstance(op, Recv):
-        out = {"op": "recv", "out": op.out, "slice": op.slice, "spec": spec_to_list(op.spec), "aval": op.aval.to_wire(),
-               "src": op.src, "routes": [r.to_wire() for r in op.routes]}
-    elif isinstance(op, Reshard):
-        out = {"op": "reshard", "in": op.source, "out": op.out, "slice": op.slice, "spec": spec_to_list(op.spec)}
-    else:
-        raise TypeError(f"not a fragment op: {op!r}")
-    if op.frees:
-        out["frees"] = list(op.frees)
-    return out
-
-
 @dataclass(frozen=True, eq=False)
 class Template:
     """One island's share of a program, the same on every call: ops by slot, and the slices they run on.
@@ -463,7 +438,7 @@ class Template:
     @functools.cached_property
     def executables(self) -> frozenset[str]:
         """The content hashes of the executables its ops run (what an island checks a tenant has sent)."""
-        return frozenset(op.exe for op in self.ops if isinstance(op, Exec))
+        return frozenset(exe for op in self.ops for exe in op.executables())
 
     @functools.cached_property
     def touched(self) -> tuple[int, ...]:
@@ -473,7 +448,7 @@ class Template:
     @functools.cached_property
     def receives(self) -> bool:
         """Whether an op of it receives a value from another island (such a fragment may park on the way)."""
-        return any(isinstance(op, Recv) for op in self.ops)
+        return any(op.RECEIVES for op in self.ops)
 
     def slice(self, key: str, what: str) -> SliceDesc:
         """The fragment's slice ``key``; ProgramError (prefixed by ``what``) when the fragment has none by that name."""
@@ -486,19 +461,13 @@ class Template:
         """The template's wire bytes."""
         return wire.encode("template", {"program": self.program, "n_inputs": self.n_inputs, "n_values": self.n_values,
                                         "slices": {k: s.to_wire() for k, s in self.slices.items()},
-                                        "ops": [op_to_wire(op) for op in self.ops]})
+                                        "ops": [op_wire.to_wire(op) for op in self.ops]})
 
     @classmethod
     def decode(cls, blob: bytes) -> Template:
         """Decode and check the template's structure: slots in range, reads after writes, frees of its own."""
         msg = wire.decode(blob, "template")
-        ops = []
-        for i, d in enumerate(msg["ops"]):
-            schema = _OP_SCHEMAS.get(d.get("op"))
-            if schema is None:
-                raise WireFormatError(f"template.ops[{i}]: unknown op {d.get('op')!r}; known: {', '.join(_OP_SCHEMAS)}")
-            wire.check(d, schema, f"template.ops[{i}]({d['op']})")
-            ops.append(op_from_wire(d))
+        ops = [op_wire.decode(d, f"template.ops[{i}]") for i, d in enumerate(msg["ops"])]
         slices = {k: SliceDesc.from_wire(v) for k, v in msg["slices"].items()}
         template = cls(msg["program"][:200], msg["n_inputs"], msg["n_values"], slices, tuple(ops))
         template._check_slots()
@@ -514,7 +483,7 @@ class Template:
         freed: set[int] = set()
         for i, op in enumerate(self.ops):
             where = f"fragment of {self.program!r}, op {i} ({op.KIND})"
-            slots = op.reads() + op.writes() + op.frees + ((op.key,) if isinstance(op, Send) else ())
+            slots = op.reads() + op.writes() + op.frees + op.other_slots()
             bad = [s for s in slots if not 0 <= s < self.n_values]
             if bad:
                 raise ProgramError(f"{where}: slot(s) {bad} out of range for {self.n_values} values")

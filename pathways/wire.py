@@ -54,9 +54,14 @@ def register(kind: str, schema: dict) -> None:
     _SCHEMAS[kind] = _values_check(schema)
 
 
-def check(value: Any, schema: Any, path: str) -> None:
-    """Validate ``value`` against a schema outside a message (e.g. one op of a template)."""
-    _validate(value, _compile(schema), path)
+def checker(schema: Any) -> Callable[[Any, str], None]:
+    """A validator of values outside a message (e.g. the ops of a template) against ``schema``, compiled once:
+    it raises WireFormatError naming the path it is given and the field that was wrong."""
+    compiled = _compile(schema)
+
+    def check_value(value: Any, path: str) -> None:
+        _validate(value, compiled, path)
+    return check_value
 
 
 def declare(kind: str, schema: dict[str, Any]) -> Callable[[type[T]], type[T]]:

@@ -60,8 +60,8 @@ class ManagerActor:
         self._rm = ResourceManager(self._config, runtime_key, runtime_id)
         ports = range(client_ports[0], client_ports[1] + 1) if client_ports else None
         self._service = ManagerService(self._rm, ray.util.get_node_ip_address(), ports)
-        self._service.jobs = JobRunner(self._rm, self._service.address, self._config.jobs_dir,
-                                       self._config.unsafe_jobs_as_runtime_user)
+        self._service.jobs = JobRunner(self._rm.registry, self._rm.tickets, runtime_id, self._service.address,
+                                       self._config.jobs_dir, self._config.unsafe_jobs_as_runtime_user)
         if self._config.suspend_dir:
             suspend_on_sigterm(self._rm, self._config.suspend_timeout)
 

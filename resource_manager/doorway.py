@@ -12,8 +12,9 @@ thread, within limits of its own). Before that, what anyone who reaches the port
   costs an honest client, who answers within a round trip, nothing but that round trip, and never locks it out;
 - a handshake holds its few hundred bytes of state, never anything a peer announces.
 
-The handshake itself is the endpoint's (``Handshake``): the client protocol's (``pathways.protocol.handshake``)
-and the network data path's both are a greeting, a fixed-size answer, and a reply.
+The handshake itself is the endpoint's (``Handshake``: a greeting, a fixed-size answer, and a reply): the client
+protocol's (``pathways.protocol.handshake.Accepting``), which the clients' endpoints and the hosts' network data
+servers alike speak.
 """
 
 from __future__ import annotations

@@ -36,14 +36,14 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from pathways.budgets import over
 from pathways.errors import PathwaysError, ResourceError, TenantAccessError
 from pathways.names import ADDRESS_ENV, JOB_ENV, TENANT_ENV, TICKET_FD_ENV
 from resource_manager import job_users
 from resource_manager.job_disk import Archive, Folders, Ledger, chown_tree, default_root
-from resource_manager.registry import TenantRecord
+from resource_manager.registry import Registry, TenantRecord
+from resource_manager.tickets import Tickets
 
 MAX_ARCHIVE = 256 << 20  # a job's working directory, packed
 LOG_BYTES = 8 << 20  # one job's log: what it prints past this is dropped (the log says so)
@@ -103,15 +103,18 @@ class Job:
 
 
 class JobRunner:
-    """Admits, starts, lists, logs and stops tenants' jobs. ``rm`` authenticates, holds the registry and issues
-    tickets; ``address`` is the runtime's client address the jobs attach to; ``jobs_dir`` the jobs' root folder
+    """Admits, starts, lists, logs and stops tenants' jobs. ``registry`` proves credentials and holds the tenants
+    and their job users; ``tickets`` issues each job's single-use ticket; ``runtime_id`` names the runtime's jobs'
+    folders; ``address`` is the runtime's client address the jobs attach to; ``jobs_dir`` the jobs' root folder
     (default ``job_disk.default_root()``); ``unsafe_runtime_user`` runs every job as the runtime's own user."""
 
-    def __init__(self, rm: Any, address: str, jobs_dir: str | None, unsafe_runtime_user: bool = False) -> None:
-        self.rm = rm
+    def __init__(self, registry: Registry, tickets: Tickets, runtime_id: str, address: str, jobs_dir: str | None,
+                 unsafe_runtime_user: bool = False) -> None:
+        self.registry = registry
+        self.tickets = tickets
         self.address = address
         self.unsafe = unsafe_runtime_user
-        self.folders = Folders(Path(jobs_dir) if jobs_dir else default_root(), rm.runtime_id,
+        self.folders = Folders(Path(jobs_dir) if jobs_dir else default_root(), runtime_id,
                                others_pass=not unsafe_runtime_user)
         self.ledger = Ledger()
         self._lock = threading.RLock()
@@ -123,13 +126,13 @@ class JobRunner:
     # -- who may do what ----------------------------------------------------------------------------------
     def _tenant(self, tenant: str, credential: str) -> tuple[str | None, bool]:
         """(tenant, is_admin) the credential proves."""
-        who = self.rm.whoami(tenant, credential)
+        who = self.registry.whoami(tenant, credential)
         return who["tenant"], who["admin"]
 
     def _visible(self, job: Job, name: str | None, admin: bool) -> bool:
         """Whether a caller sees ``job``: the admin sees every job; a tenant its own, and none of a tenant of the
         same name that was removed before it was added again."""
-        return admin or (job.tenant == name and self.rm.registry.get(name) is job.record)
+        return admin or (job.tenant == name and self.registry.get(name) is job.record)
 
     def _job(self, tenant: str, credential: str, job_id: str) -> Job:
         name, admin = self._tenant(tenant, credential)
@@ -143,7 +146,7 @@ class JobRunner:
         saying what to do where there is none."""
         if self.unsafe:
             return None
-        entry = self.rm.registry.job_user(record.name)
+        entry = self.registry.job_user(record.name)
         with self._users_lock:
             if entry.pw_uid not in self._runs_python:
                 job_users.check_runs_python(entry)
@@ -162,7 +165,7 @@ class JobRunner:
             raise ResourceError("a job's entrypoint is a list of non-empty strings, e.g. ['python', 'train.py']")
         if nbytes > MAX_ARCHIVE:
             raise ResourceError(f"the working directory packs to {nbytes} bytes, over {MAX_ARCHIVE}")
-        record = self.rm.registry.get(owner)
+        record = self.registry.get(owner)
         if record is None:
             raise TenantAccessError("this tenant no longer exists")
         user = self._user(record)
@@ -272,7 +275,7 @@ class JobRunner:
         as_user = {"user": user.pw_uid, "group": user.pw_gid, "extra_groups": []} if user is not None else {}
         log_path = self.folders.log(upload.job_id)
         os.close(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600))
-        ticket = self.rm.issue_ticket(upload.record.name, upload.job_id)
+        ticket = self.tickets.issue(upload.record.name, upload.job_id)
         ticket_r, ticket_w = os.pipe()
         os.write(ticket_w, ticket.encode())
         os.close(ticket_w)
@@ -294,45 +297,18 @@ class JobRunner:
         finally:
             os.close(ticket_r)
             os.close(out_w)
-        pump = threading.Thread(target=self._pump, args=(job, out_r), name=f"job-log-{job.id}", daemon=True)
+        pump = threading.Thread(target=_pump, args=(job, out_r, self.ledger), name=f"job-log-{job.id}", daemon=True)
         pump.start()
         threading.Thread(target=self._wait, args=(job, pump), name=f"job-{job.id}", daemon=True).start()
         return job
 
     # -- a running job --------------------------------------------------------------------------------------
-    def _pump(self, job: Job, fd: int) -> None:
-        """Copy the job's output into its log, up to ``LOG_BYTES`` and its tenant's budget; what comes past that is
-        read and dropped, and the log says so once. Ends at the output's end, or ``DRAIN_S`` after the process
-        ended (a process left behind may hold the pipe)."""
-        limit = job.record.limits.job_disk_bytes
-        cut = False
-        try:
-            with open(job.log, "ab", buffering=0) as out:
-                while True:
-                    if not select.select([fd], [], [], WATCH_S)[0]:
-                        if job.exited is not None and time.monotonic() - job.exited > DRAIN_S:
-                            return
-                        continue
-                    chunk = os.read(fd, 1 << 16)
-                    if not chunk:
-                        return
-                    keep = self.ledger.take_up_to(job.tenant, min(len(chunk), LOG_BYTES - job.log_bytes), limit)
-                    out.write(chunk[:keep])
-                    job.log_bytes += keep
-                    if keep < len(chunk) and not cut:
-                        cut = True
-                        why = f"{LOG_BYTES >> 20} MiB" if job.log_bytes >= LOG_BYTES else "your job_disk_bytes budget"
-                        out.write(f"\n[pathways: the log stops here: it reached {why}; the job's further output is "
-                                  "dropped]\n".encode())
-        finally:
-            os.close(fd)
-
     def _wait(self, job: Job, pump: threading.Thread) -> None:
         """Watch the job until its process ends (stopping it if its tenant was removed), then end what it left:
         its process group, its user's processes when no other job of its tenant runs, its folder."""
         pid = job.proc.pid
         while not _exited(pid, 0.0):
-            if not job.stopping and self.rm.registry.get(job.tenant) is not job.record:
+            if not job.stopping and self.registry.get(job.tenant) is not job.record:
                 log.info("stopping job %s: its tenant %s was removed", job.id, job.tenant)
                 job.stopping = True
                 _signal(pid, signal.SIGKILL)
@@ -373,7 +349,7 @@ class JobRunner:
         """Drop the ended jobs of tenants that were removed (a tenant added again under the name starts afresh)."""
         with self._lock:
             for job in [j for j in self.jobs.values() if j.ended is not None]:
-                if self.rm.registry.get(job.tenant) is not job.record:
+                if self.registry.get(job.tenant) is not job.record:
                     self._forget(job)
 
     # -- the requests -------------------------------------------------------------------------------------
@@ -419,6 +395,34 @@ class JobRunner:
         for job in running:
             job.done.wait(max(0.0, deadline - time.monotonic()))
         self.folders.remove()
+
+
+def _pump(job: Job, fd: int, ledger: Ledger) -> None:
+    """Copy the job's output into its log, up to ``LOG_BYTES`` and its tenant's budget; what comes past that is
+    read and dropped, and the log says so once. Ends at the output's end, or ``DRAIN_S`` after the process
+    ended (a process left behind may hold the pipe)."""
+    limit = job.record.limits.job_disk_bytes
+    cut = False
+    try:
+        with open(job.log, "ab", buffering=0) as out:
+            while True:
+                if not select.select([fd], [], [], WATCH_S)[0]:
+                    if job.exited is not None and time.monotonic() - job.exited > DRAIN_S:
+                        return
+                    continue
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    return
+                keep = ledger.take_up_to(job.tenant, min(len(chunk), LOG_BYTES - job.log_bytes), limit)
+                out.write(chunk[:keep])
+                job.log_bytes += keep
+                if keep < len(chunk) and not cut:
+                    cut = True
+                    why = f"{LOG_BYTES >> 20} MiB" if job.log_bytes >= LOG_BYTES else "your job_disk_bytes budget"
+                    out.write(f"\n[pathways: the log stops here: it reached {why}; the job's further output is "
+                              "dropped]\n".encode())
+    finally:
+        os.close(fd)
 
 
 def _exited(pid: int, timeout: float) -> bool:

@@ -1,4 +1,4 @@
-"""Placing a virtual slice onto physical devices of one island (pure; the manager holds the state).
+"""Placing a virtual slice onto physical devices of one island (pure; ``resource_manager.slices`` holds the slices).
 
 Virtual devices map one-to-one onto distinct devices of a single island.
 Slices may share devices (they are time-multiplexed by the island's

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from pathways import auth
+from pathways.admin_requests import KEEP
 from pathways.budgets import Budgets
 from pathways.errors import ResourceError, TenantAccessError
 from resource_manager import job_users
@@ -143,7 +144,7 @@ class Registry:
             self._save()
         return secret
 
-    def set(self, name: str, weight: float | None = None, quota: int | None | str = "keep",
+    def set(self, name: str, weight: float | None = None, quota: int | None | str = KEEP,
             new_credential: bool = False, budgets: dict | None = None, job_user: str | None = None) -> str | None:
         """Change a tenant's weight, quota (None: no limit), budgets (merged into the ones it has), credential, or
         job user (its next jobs run as that one); returns a new credential if asked."""
@@ -155,7 +156,7 @@ class Registry:
                 record.job_user, record.job_user_made = self._named_user(name, job_user).pw_name, False
             if weight is not None:
                 record.weight = check_weight(weight)
-            if quota != "keep":
+            if quota != KEEP:
                 record.quota = check_quota(quota)
             if budgets:
                 record.budgets = {**record.budgets, **budgets}
@@ -213,6 +214,13 @@ class Registry:
         if record is None or not isinstance(credential, str) or not auth.matches(credential, record.credential):
             raise TenantAccessError(WRONG)
         return record
+
+    def whoami(self, tenant: object, credential: object) -> dict:
+        """Whether a credential is the admin's or ``tenant``'s: ``{"admin", "tenant"}`` (TenantAccessError for
+        neither)."""
+        if self.is_admin(credential):
+            return {"admin": True, "tenant": None}
+        return {"admin": False, "tenant": self.authenticate(tenant, credential).name}
 
     def get(self, name: str) -> TenantRecord | None:
         """The record of tenant ``name``, or None."""

@@ -26,14 +26,17 @@ import threading
 import time
 from typing import Any
 
-import ray
-
-from pathways.errors import ClusterSuspendedError, PathwaysError
+from pathways.errors import PathwaysError
 from pathways.snapshot import FORMAT, MANIFEST, Store, host_part
 from pathways.topology import Topology
-from resource_manager.island import restart_island, stop_island
+from resource_manager.fleet import Fleet
+from resource_manager.health import IslandHealth
+from resource_manager.island import stop_island
+from resource_manager.notices import Notices
+from resource_manager.phase import RESUMING, RUNNING, SUSPENDED, SUSPENDING, ClusterPhase
+from resource_manager.sessions import Sessions
+from resource_manager.slices import Slices
 
-RUNNING, SUSPENDING, SUSPENDED, RESUMING = "running", "suspending", "suspended", "resuming"
 ACK_S = 5.0  # how long attached clients have to stop sending
 POLL_S = 0.05
 CALL_S = 30.0  # an ordinary call to a host
@@ -42,39 +45,31 @@ log = logging.getLogger(__name__)
 
 
 class Suspension:
-    """The cluster's phase (running, suspending, suspended, resuming) and the suspend and resume procedures,
-    over the resource manager ``rm`` (``resource_manager.manager``)."""
+    """The suspend and resume procedures, one at a time: they move the cluster's ``phase``, ask every host through
+    ``fleet``, save and restore ``sessions`` and ``slices``, and tell watching clients through ``notices``.
+    Its own state is where the cluster was suspended to, what the last procedure did, and which clients have
+    stopped sending."""
 
-    def __init__(self, rm: Any) -> None:
-        self.rm = rm
-        self.phase = RUNNING
-        self.generation = 0
-        self.directory: str | None = None
-        self.last: dict | None = None  # what the last suspend or resume did
+    def __init__(self, phase: ClusterPhase, fleet: Fleet, health: IslandHealth, sessions: Sessions, slices: Slices,
+                 notices: Notices) -> None:
+        self._phase, self._fleet, self._health, self._notices = phase, fleet, health, notices
+        self._sessions, self._slices = sessions, slices
+        self.directory: str | None = None  # where the cluster is suspended to now (written under ``_busy``)
+        self.last: dict | None = None  # what the last suspend or resume did (likewise)
         self._acks: set[int] = set()
-        self._acked = threading.Condition()
+        self._acked = threading.Condition()  # the lock of ``_acks``
         self._busy = threading.Lock()  # one suspend or resume at a time
-
-    # -- what clients see ---------------------------------------------------------------------------------
-    def refuse(self, what: str) -> None:
-        """ClusterSuspendedError unless the cluster runs (``what`` needs islands that are up)."""
-        if self.phase != RUNNING:
-            raise ClusterSuspendedError(
-                f"{what}: the cluster is {self.phase} by its admin. Arrays you hold are kept; once it is resumed "
-                "(`pathways resume`), do this again")
 
     def acked(self, client: int, generation: int) -> None:
         """Client ``client`` has stopped sending for the suspend of ``generation``."""
         with self._acked:
-            if generation == self.generation:
+            if generation == self._phase.generation:
                 self._acks.add(client)
                 self._acked.notify_all()
 
     def _set(self, phase: str) -> None:
-        with self.rm.lock:
-            self.phase = phase
-            self.generation += 1
-        self.rm.notices.changed()
+        self._phase.move(phase)
+        self._notices.changed()
 
     # -- suspend ------------------------------------------------------------------------------------------
     def suspend(self, directory: str, timeout: float) -> dict:
@@ -88,18 +83,18 @@ class Suspension:
             self._busy.release()
 
     def _suspend(self, directory: str, timeout: float) -> dict:
-        rm = self.rm
         started = time.monotonic()
         store = Store(directory)
-        if self.phase != RUNNING:
-            raise PathwaysError(f"the cluster is {self.phase}, not running: nothing to suspend")
-        if rm.restarting():
-            raise PathwaysError(f"islands {sorted(rm.restarting())} are restarting after a failure; suspend again "
+        if self._phase.now != RUNNING:
+            raise PathwaysError(f"the cluster is {self._phase.now}, not running: nothing to suspend")
+        restarting = self._health.restarting()
+        if restarting:
+            raise PathwaysError(f"islands {sorted(restarting)} are restarting after a failure; suspend again "
                                 "once they are back (pathways status)")
         store.prepare()
         with self._acked:
             self._acks = set()
-        attached = {c for c, s in rm.clients.items() if s.connections > 0}
+        attached = self._sessions.attached()
         self._set(SUSPENDING)
         try:
             silent = self._wait_acks(attached, started + min(ACK_S, timeout / 4))
@@ -109,7 +104,7 @@ class Suspension:
             manifest = self._manifest(parts, time.monotonic() - started)
             store.write_json(MANIFEST, manifest)
         except BaseException as exc:
-            for island in rm.islands:  # what the hosts that finished wrote
+            for island in self._fleet.islands():  # what the hosts that finished wrote
                 for k in range(len(island.hosts)):
                     for name in host_part(island.index, k):
                         store.remove(name)
@@ -120,8 +115,7 @@ class Suspension:
             reason = str(exc) if isinstance(exc, PathwaysError) else f"{type(exc).__name__}: {exc}"
             raise PathwaysError(f"suspending into {directory} failed: {reason}. Nothing was saved ({directory} holds "
                                 "no manifest) and the cluster runs on") from None
-        for island in rm.islands:
-            stop_island(island)
+        self._fleet.stop_all()
         self.directory = store.location
         seconds = time.monotonic() - started
         self.last = {"suspended": store.location, "seconds": seconds, "bytes": manifest["array_bytes"],
@@ -138,7 +132,7 @@ class Suspension:
             while not attached <= self._acks and time.monotonic() < deadline:
                 self._acked.wait(max(0.0, deadline - time.monotonic()))
             silent = attached - self._acks
-        alive = {c for c in silent if c in self.rm.clients}
+        alive = silent & set(self._sessions.listing())
         if alive:
             log.warning("suspend: clients %s did not say they stopped sending within the time; their later "
                         "batches are answered 'suspended' and sent again after the resume", sorted(alive))
@@ -150,7 +144,7 @@ class Suspension:
         while True:
             reports = self._call("quiet", lambda i, k: ())
             busy = []
-            for island in self.rm.islands:
+            for island in self._fleet.islands():
                 mine = sorted((r for r in reports if r["island"] == island.index), key=lambda r: r["host"])
                 order = mine[0].get("sequenced", 0)
                 busy += [f"island {island.index} host {r['host']} ({r['busy']} runs or messages unfinished)"
@@ -162,25 +156,14 @@ class Suspension:
             time.sleep(POLL_S)
 
     def _call(self, method: str, args: Any, timeout: float = CALL_S, tolerate: bool = False) -> list:
-        """``method`` on every host (``args(island, host)`` its arguments, signed for that host); the results in
-        order, the first failure raised naming the host (left out with ``tolerate``)."""
-        rm = self.rm
-        calls = []
-        for island in rm.islands:
-            for k, actor in enumerate(island.hosts):
-                a = args(island.index, k)
-                calls.append((island.index, k, getattr(actor, method).remote(
-                    rm.sign_for(island.index, k, method, *a), *a)))
-        return call_all(calls, timeout, tolerate)
+        return self._fleet.call(method, args, timeout, tolerate)
 
     def _manifest(self, parts: list[dict], seconds: float) -> dict:
-        rm = self.rm
-        with rm.lock:
-            return {"format": FORMAT, "written": time.time(), "seconds": seconds, "runtime": rm.runtime_id,
-                    "topology": rm.topology.to_wire(), "epochs": [i.epoch for i in rm.islands],
-                    "sessions": rm.sessions_to_wire(), "allocations": rm.allocations_to_wire(), "parts": parts,
-                    "buffers": sum(p["buffers"] for p in parts),
-                    "array_bytes": sum(p["array_bytes"] for p in parts)}
+        fleet = self._fleet
+        return {"format": FORMAT, "written": time.time(), "seconds": seconds, "runtime": fleet.runtime_id,
+                "topology": fleet.topology.to_wire(), "epochs": [i.epoch for i in fleet.islands()],
+                "sessions": self._sessions.to_wire(), "allocations": self._slices.to_wire(), "parts": parts,
+                "buffers": sum(p["buffers"] for p in parts), "array_bytes": sum(p["array_bytes"] for p in parts)}
 
     # -- resume -------------------------------------------------------------------------------------------
     def resume(self, directory: str, timeout: float) -> dict:
@@ -194,28 +177,26 @@ class Suspension:
             self._busy.release()
 
     def _resume(self, directory: str, timeout: float) -> dict:
-        rm = self.rm
         started = time.monotonic()
         store = Store(directory)
         manifest = self._check(store)
-        fresh = self.phase == RUNNING
-        if fresh and (rm.clients or rm.inventory.allocations):
-            raise PathwaysError(f"the cluster runs with {len(rm.clients)} sessions and "
-                                f"{len(rm.inventory.allocations)} slices; resume into a cluster that is suspended "
-                                "or freshly started (pathways down, pathways up, pathways resume DIR)")
-        if self.phase not in (RUNNING, SUSPENDED):
-            raise PathwaysError(f"the cluster is {self.phase}; wait for that to finish")
+        phase = self._phase.now
+        fresh = phase == RUNNING
+        sessions, slices = len(self._sessions.listing()), len(self._slices.listing())
+        if fresh and (sessions or slices):
+            raise PathwaysError(f"the cluster runs with {sessions} sessions and {slices} slices; resume into a "
+                                "cluster that is suspended or freshly started (pathways down, pathways up, pathways "
+                                "resume DIR)")
+        if phase not in (RUNNING, SUSPENDED):
+            raise PathwaysError(f"the cluster is {phase}; wait for that to finish")
         self._set(RESUMING)
         try:
             restored = self._restore(store, manifest, timeout)
         except BaseException as exc:
-            for island in rm.islands:
-                stop_island(island)
+            self._fleet.stop_all()
             if fresh:  # a fresh cluster gets its empty islands back
-                rm.forget_restored()
-                rm.replace_islands([restart_island(rm.topology, i, rm.key, rm.runtime_id, rm.config.op_timeout,
-                                                   rm.config.gap_timeout, timeout, epoch=i.epoch)
-                                    for i in rm.islands])
+                self._sessions.forget_restored()
+                self._replace([self._fleet.restart(i, timeout, epoch=i.epoch) for i in self._fleet.islands()])
             self._set(RUNNING if fresh else SUSPENDED)
             reason = str(exc) if isinstance(exc, PathwaysError) else f"{type(exc).__name__}: {exc}"
             state = "runs on, empty" if fresh else "stays suspended"
@@ -240,9 +221,9 @@ class Suspension:
             raise PathwaysError(f"{store.location} was written in snapshot format {manifest.get('format')!r}; this "
                                 f"runtime reads format {FORMAT}")
         saved = Topology.from_wire(manifest["topology"])
-        if saved != self.rm.topology:
-            raise PathwaysError(f"{store.location} holds a cluster of {saved}; this one is {self.rm.topology}. Start "
-                                "one of the same topology to resume it")
+        if saved != self._fleet.topology:
+            raise PathwaysError(f"{store.location} holds a cluster of {saved}; this one is {self._fleet.topology}. "
+                                "Start one of the same topology to resume it")
         for part in manifest["parts"]:
             for name, size in ((part["data"], part["data_bytes"]), (part["index"], None)):
                 if not store.exists(name) or (size is not None and store.size(name) != size):
@@ -251,19 +232,17 @@ class Suspension:
         return manifest
 
     def _restore(self, store: Store, manifest: dict, timeout: float) -> dict:
-        rm = self.rm
         epochs = manifest["epochs"]
         new = []
         try:
-            for island in rm.islands:
-                new.append(restart_island(rm.topology, island, rm.key, rm.runtime_id, rm.config.op_timeout,
-                                          rm.config.gap_timeout, timeout, epoch=epochs[island.index]))
+            for island in self._fleet.islands():
+                new.append(self._fleet.restart(island, timeout, epoch=epochs[island.index]))
         except BaseException:
             for island in new:
                 stop_island(island)
             raise
-        rm.replace_islands(new)
-        dropped = rm.restore_sessions(manifest["sessions"], manifest["allocations"])
+        self._replace(new)
+        dropped = self._sessions.restore(manifest["sessions"], manifest["allocations"])
         parts = {(p["island"], p["host"]): p for p in manifest["parts"]}
         held = sum(p["data_bytes"] for p in manifest["parts"])
         done = self._call("restore", lambda i, k: (store.location, json.dumps(parts[(i, k)], sort_keys=True)),
@@ -272,18 +251,7 @@ class Suspension:
                 "sessions": len(manifest["sessions"]) - len(dropped), "sessions_dropped": dropped}
 
 
-def call_all(calls: list[tuple[int, int, Any]], timeout: float, tolerate: bool = False) -> list:
-    """The results of (island, host, object ref) calls, in order; the first failure raised (naming the host),
-    or left out with ``tolerate``."""
-    out = []
-    deadline = time.monotonic() + timeout
-    for island, host, ref in calls:
-        try:
-            out.append(ray.get(ref, timeout=max(0.1, deadline - time.monotonic())))
-        except Exception as exc:
-            if tolerate:
-                continue
-            cause = getattr(exc, "cause", None)
-            detail = str(cause) if isinstance(cause, PathwaysError) else f"{type(exc).__name__}: {exc}"
-            raise PathwaysError(f"island {island} host {host}: {detail.splitlines()[0][:400]}") from None
-    return out
+    def _replace(self, islands: list) -> None:
+        """New hosts for every island, all in service."""
+        self._health.reset()
+        self._fleet.replace_all(islands)

@@ -17,9 +17,10 @@ import sys
 import time
 from pathlib import Path
 
-from client import cli, secrets
-from client.jobs import Jobs, pack
-from client.secrets import CliError
+from command import secrets
+from command.address import resolve_address
+from command.jobs import Jobs, pack
+from command.output import CliError
 
 
 def parse_tenants(spec: str) -> list[tuple[str, float]]:
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     runners: dict[str, Jobs] = {}
     try:
         tenants = parse_tenants(args.tenants)
-        address = cli.resolve_address(args.address)
+        address = resolve_address(args.address)
         register(address, tenants)
         archive = pack(str(Path(__file__).resolve().parent))
         entry = ["python", "train.py", "--steps", str(args.steps), "--seconds", str(args.seconds)]

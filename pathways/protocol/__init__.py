@@ -8,7 +8,8 @@ address, ``pathways://HOST:PORT``, and the hosts' addresses the resource manager
 * ``frames``: the byte layout of every message after the handshake: a sequence number that must be the next
   one, a MAC under the connection's key over the sequence number and the message, the msgpack message
   (``pathways.wire``), and raw array bytes after it;
-* ``connection``: a socket speaking both, used by the client and the runtime alike;
+* ``connection``: a socket speaking both, used by the client and the runtime alike (the hosts' network data path
+  speaks it between hosts too);
 * ``address``: the ``pathways://`` address form.
 
 A message is therefore bound to its session, its destination and its place in the connection's stream: a

@@ -154,36 +154,56 @@ class Connection:
             self._sent += 1
             buffers = [frames.head(self._key, self._out, self._sent, payload, nbytes), payload, *views]
             try:
-                self._sendmsg(buffers)
+                total = frames.HEAD_BYTES + len(payload) + nbytes
+                sent = self.sock.sendmsg(buffers) if total <= SEND_CHUNK else 0  # the usual frame: one call, whole
+                if sent != total:
+                    self._sendmsg(buffers, sent)
             except BaseException:
                 self.closed = True  # a frame cut short leaves the stream unreadable: nothing may follow it
                 raise
 
-    def _sendmsg(self, buffers: list) -> None:
+    def _sendmsg(self, buffers: list, done: int) -> None:
+        """Write what is left of ``buffers`` after their first ``done`` bytes, in calls of at most ``SEND_CHUNK``."""
         views = [memoryview(b) for b in buffers if len(b)]
-        while views:
+        while True:
+            while done:
+                if done >= len(views[0]):
+                    done -= len(views[0])
+                    views.pop(0)
+                else:
+                    views[0] = views[0][done:]
+                    done = 0
+            if not views:
+                return
             batch, size = [], 0
             for v in views:
                 if size + len(v) > SEND_CHUNK and batch:
                     break
                 batch.append(v)
                 size += len(v)
-            sent = self.sock.sendmsg(batch)
-            while sent:
-                if sent >= len(views[0]):
-                    sent -= len(views[0])
-                    views.pop(0)
-                else:
-                    views[0] = views[0][sent:]
-                    sent = 0
+            done = self.sock.sendmsg(batch)
 
     # -- receiving ----------------------------------------------------------------------------------------
     def recv(self) -> Frame:
         """The next frame's payload, checked; its ``data`` bytes are still on the socket (``read_into``/``skip``).
         FrameError for a frame that fails a check, ConnectionError when the other side closed."""
+        frame = self.next()
+        if frame is None:
+            raise ConnectionError("the other side closed the connection")
+        return frame
+
+    def next(self) -> Frame | None:
+        """As ``recv``, but None when the other side closed the connection between frames (a clean end; closing
+        within a frame is ConnectionError)."""
         self.busy = False
-        raw = recv_bytes(self.sock, frames.HEAD_BYTES)
-        payload_len, data_len, prefix, got = frames.parse_head(raw, self._received + 1, self.max_payload,
+        head = bytearray(frames.HEAD_BYTES)
+        view = memoryview(head)
+        first = self.sock.recv_into(view)
+        if first == 0:
+            return None
+        recv_exactly(self.sock, view[first:])
+        view.release()
+        payload_len, data_len, prefix, got = frames.parse_head(bytes(head), self._received + 1, self.max_payload,
                                                                self.max_data)
         meter = self.meter if payload_len > METERED else None
         if meter is None:

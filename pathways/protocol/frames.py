@@ -27,6 +27,7 @@ MAC_BYTES = 32
 HEAD_BYTES = PREFIX.size + MAC_BYTES
 NO_KEY_MAC = bytes(MAC_BYTES)  # the MAC field of an anonymous connection's frames
 TO_SERVER, TO_CLIENT = b"c", b"s"
+ONE_SHOT = 4096  # a payload up to this many bytes is MACed in one call (copied once, with its prefix, to do so)
 
 
 class FrameError(PathwaysError):
@@ -46,6 +47,8 @@ def mac(key: bytes | None, direction: bytes, prefix: bytes, payload: bytes) -> b
     """The MAC of one frame (zeros on an anonymous connection, whose requests carry their own credentials)."""
     if key is None:
         return NO_KEY_MAC
+    if len(payload) <= ONE_SHOT:  # the usual small message: one call into C, twice as fast as building an HMAC
+        return hmac.digest(key, direction + prefix + payload, "sha256")
     h = hmac.new(key, direction, hashlib.sha256)
     h.update(prefix)
     h.update(payload)

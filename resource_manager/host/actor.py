@@ -18,9 +18,11 @@ from typing import Any
 import numpy as np
 import ray
 
-from pathways import auth
+from pathways import auth, wire
 from pathways.errors import IslandFailedError, TenantAccessError
-from resource_manager.host.host import Host, runtime_parts
+from pathways.messages import Returned
+from resource_manager.host.host import Host
+from resource_manager.host.rows import Landed, signed_parts
 
 RUNTIME_ONLY = "refused: this method is for the runtime's own actors"
 SCHEDULE = "schedule"  # orders and the island's order: one thread, in the order they arrive
@@ -47,9 +49,6 @@ class HostActor:
         if not ok:
             raise TenantAccessError(RUNTIME_ONLY)
 
-    def _call_peer(self, island: int, host: int, method: str, *args: Any) -> None:
-        getattr(self._host.parts.peers.handle(island, host), method).remote(*args)
-
     # -- start-up ---------------------------------------------------------------------------------------
     def coordinator(self, mac: bytes) -> str:
         """A free address for this island's jax.distributed coordinator (asked of host 0)."""
@@ -60,8 +59,7 @@ class HostActor:
         """Bring up JAX and the data plane (once)."""
         self._check(mac, "start", coordinator or "", islands, platform)
         return self._host.start(self._key, self._runtime_id, coordinator, islands, platform,
-                                ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(),
-                                self._call_peer)
+                                ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address())
 
     # -- the resource manager's orders --------------------------------------------------------------------
     @ray.method(concurrency_group=SCHEDULE)
@@ -85,27 +83,27 @@ class HostActor:
     def stats(self, mac: bytes) -> dict:
         """The host's counters (no tenant named), for the admin's status."""
         self._check(mac, "stats")
-        return self._host.stats()
+        return self._host.parts.views.stats()
 
     def census(self, mac: bytes) -> dict:
         """Buffers and bytes per tenant: what a restart would lose."""
         self._check(mac, "census")
-        return self._host.census()
+        return self._host.parts.views.census()
 
     def tenant_schedule(self, mac: bytes) -> dict:
         """Every tenant's island time, by name (host 0; the admin's view)."""
         self._check(mac, "tenant_schedule")
-        return self._host.schedule_stats(None)
+        return self._host.parts.views.schedule_stats(None)
 
     def quiesce(self, mac: bytes, on: int) -> None:
         """The cluster is being suspended (``on`` 1): host 0 takes no more client batches; or it goes on (0)."""
         self._check(mac, "quiesce", on)
-        self._host.quiescing = on == 1
+        self._host.parts.order.quiescing = on == 1
 
     def quiet(self, mac: bytes) -> dict:
-        """Whether this host has finished what it was given (``Host.quiet``)."""
+        """Whether this host has finished what it was given (``HostViews.quiet``)."""
         self._check(mac, "quiet")
-        return self._host.quiet()
+        return self._host.parts.views.quiet()
 
     def save(self, mac: bytes, directory: str) -> dict:
         """Write this host's part of a suspended cluster into ``directory``."""
@@ -124,28 +122,30 @@ class HostActor:
 
     # -- what hosts send each other -------------------------------------------------------------------------
     @ray.method(concurrency_group=SCHEDULE)
-    def landed(self, host: int, pairs: list, mac: bytes) -> None:
-        """Host ``host`` has the data of these parked receives (multi-host islands)."""
+    def landed(self, landed: Landed, mac: bytes) -> None:
+        """A host of this island has the data of these parked receives (host 0 of a multi-host island)."""
         try:
-            flat = [int(x) for pair in pairs for x in pair] + [int(host)]
+            if type(landed) is not Landed:
+                raise TypeError(type(landed).__name__)
+            parts = landed.signed_parts()
         except (TypeError, ValueError):
             raise TenantAccessError(RUNTIME_ONLY) from None
-        self._check(mac, "landed", *flat)
-        self._host.landed(host, pairs)
+        self._check(mac, "landed", *parts)
+        self._host.parts.order.landed(landed)
 
-    def enqueue_batch(self, rows: list, mac: bytes) -> None:
-        """Host 0's ordered rows for this host."""
+    def enqueue_batch(self, rows: list[tuple], mac: bytes) -> None:
+        """Host 0's ordered rows for this host (``rows.encode``)."""
         try:
-            parts = runtime_parts(rows)
+            parts = signed_parts(rows)
         except Exception:  # not rows host 0 sends
             raise TenantAccessError(RUNTIME_ONLY) from None
         self._check(mac, "enqueue", *parts)
-        self._host.enqueue_rows(rows)
+        self._host.parts.order.rows(rows)
 
     def deliver(self, meta: bytes, mac: bytes, *pieces: np.ndarray) -> None:
         """Shards sent by a host of another island through Ray (another node, or no channel)."""
         self._check(mac, "deliver", meta)
-        self._host.deliver(meta, pieces)
+        self._host.parts.peers.transports["ray"].receive(meta, pieces)
 
     def probe_direct(self, mac: bytes, node: str, pid: int, addr: int, expected: bytes) -> str:
         """This host's channel address if it can copy lent shards out of runtime host ``pid``, else ""."""
@@ -154,10 +154,8 @@ class HostActor:
 
     def release_lent(self, payload: bytes, mac: bytes) -> None:
         """A receiver has copied these leases' shards: let go of them."""
-        from pathways import wire
-
         self._check(mac, "returned", payload)
-        self._host.parts.peers.release(wire.decode(payload, "returned")["leases"])
+        self._host.parts.peers.release(wire.parse(payload, Returned).leases)
 
     def ping(self, mac: bytes) -> float:
         """This host's wall clock; raises once the host can no longer run."""

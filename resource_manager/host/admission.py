@@ -66,15 +66,6 @@ class Admitted:
         """Whether it runs computations (charged to its tenant's share of island time)."""
         return self.refusal is None and isinstance(self.request, Call)
 
-    def row(self) -> tuple:
-        """The form other hosts of the island receive (they decode the payload once themselves; a call of a merged
-        message goes as the message it would be alone)."""
-        refusal = None if self.refusal is None else (self.refusal.kind, self.refusal.message)
-        payload = self.payload
-        if not payload and type(self.request) is Call:
-            payload = self.request.encode()
-        return (self.client, self.tenant, payload, refusal, self.fail_lo, self.fail_hi, self.end)
-
 
 def _within(ids: tuple[int, ...], floor: int, hi: int) -> bool:
     """Whether every id is in [floor, hi): one comparison for the usual one id, no min and max."""

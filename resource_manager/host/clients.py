@@ -17,7 +17,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -49,7 +49,12 @@ from pathways.sharding import dtype_from_wire
 from resource_manager.endpoint import Caller, Endpoint, refuse_frame
 from resource_manager.host.buffers import Failure
 from resource_manager.host.grants import Session
+from resource_manager.host.order import IslandOrder
 from resource_manager.host.transfer import Landed, local_pieces
+from resource_manager.host.views import HostViews
+
+if TYPE_CHECKING:
+    from resource_manager.host.wiring import Parts
 
 MAX_MESSAGE = 1 << 30  # a batch may carry executables
 WRITER_QUEUE = 1024  # answers waiting to be written on one connection
@@ -127,8 +132,9 @@ class _Pending:
 class ClientService:
     """The host's endpoint for clients, and the per-tenant bookkeeping of what they wait for."""
 
-    def __init__(self, host: Any, parts: Any, identity: Identity, ip: str) -> None:
-        self.host, self.parts = host, parts
+    def __init__(self, order: IslandOrder, views: HostViews, parts: Parts, identity: Identity, ip: str) -> None:
+        self.order, self.views, self.parts = order, views, parts
+        self.island, self.index = identity.island, identity.host
         self._lock = threading.Lock()
         self._pending: dict[str, int] = {}  # tenant -> fetches waiting on this host
         self._deadlines: list[tuple[float, int, Callable[[], None]]] = []
@@ -183,7 +189,7 @@ class ClientService:
         except OverBudget as exc:
             refuse_frame(conn, exc)
         except (ConnectionError, OSError, FrameError) as exc:
-            log.debug("island %d host %d: a connection of client %d ended: %s", self.host.island, self.host.index,
+            log.debug("island %d host %d: a connection of client %d ended: %s", self.island, self.index,
                       session.client, exc)
         finally:
             writer.close()
@@ -197,7 +203,7 @@ class ClientService:
     def _batch(self, conn: Connection, writer: Writer, session: Session, batch: Batch, data: int) -> None:
         conn.skip(data)
         try:
-            self.host.submit(session, batch.first, batch.msgs)
+            self.order.submit(session, batch.first, batch.msgs)
         except PathwaysError as exc:  # the batch as a whole is wrong (numbering): this client's own problem
             writer.answer(batch.rid, _raiser(exc))
             return
@@ -205,9 +211,9 @@ class ClientService:
 
     def _position(self, conn: Connection, writer: Writer, session: Session, request: Position, data: int) -> None:
         conn.skip(data)
-        admission = self.parts.admission
+        admission = self.order.admission
         if admission is None:
-            writer.answer(request.rid, _raiser(PathwaysError(f"host {self.host.index} keeps no client streams; "
+            writer.answer(request.rid, _raiser(PathwaysError(f"host {self.index} keeps no client streams; "
                                                              "host 0 does")))
             return
         position = admission.position(session.client)
@@ -346,35 +352,35 @@ class ClientService:
     # -- small requests ---------------------------------------------------------------------------------------
     def _stalled(self, conn: Connection, writer: Writer, session: Session, req: Stalled, data: int) -> None:
         conn.skip(data)
-        writer.answer(req.rid, lambda: (self.host.stalled(session.tenant), []))
+        writer.answer(req.rid, lambda: (self.views.stalled(session.tenant), []))
 
     def _usage(self, conn: Connection, writer: Writer, session: Session, req: Usage, data: int) -> None:
         conn.skip(data)
-        writer.answer(req.rid, lambda: (self.host.usage(session.tenant, req.reset_peak), []))
+        writer.answer(req.rid, lambda: (self.views.usage(session.tenant, req.reset_peak), []))
 
     def _trace_start(self, conn: Connection, writer: Writer, session: Session, req: TraceStart, data: int) -> None:
         conn.skip(data)
-        writer.answer(req.rid, lambda: (self.host.trace_start(session.client), []))
+        writer.answer(req.rid, lambda: (self.views.trace_start(session.client), []))
 
     def _trace_stop(self, conn: Connection, writer: Writer, session: Session, req: TraceStop, data: int) -> None:
         conn.skip(data)
-        writer.answer(req.rid, lambda: (self.host.trace_stop(session.client, session.tenant), []))
+        writer.answer(req.rid, lambda: (self.views.trace_stop(session.client, session.tenant), []))
 
     def _host_stats(self, conn: Connection, writer: Writer, session: Session, req: HostStats, data: int) -> None:
         conn.skip(data)
-        writer.answer(req.rid, lambda: (self.host.stats(), []))
+        writer.answer(req.rid, lambda: (self.views.stats(), []))
 
     def _schedule_stats(self, conn: Connection, writer: Writer, session: Session, req: ScheduleStats,
                         data: int) -> None:
         conn.skip(data)
-        if self.parts.scheduler is None:
+        if self.order.scheduler is None:
             writer.answer(req.rid, _raiser(PathwaysError("only host 0 of an island holds its scheduler")))
             return
-        writer.answer(req.rid, lambda: (self.host.schedule_stats(session.tenant), []))
+        writer.answer(req.rid, lambda: (self.views.schedule_stats(session.tenant), []))
 
     def _ping(self, conn: Connection, writer: Writer, session: Session, req: Ping, data: int) -> None:
         conn.skip(data)
-        dead = self.host.dead
+        dead = self.views.dead
         if dead is not None:
             writer.answer(req.rid, _raiser(PathwaysError(dead)))
             return

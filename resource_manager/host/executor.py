@@ -19,7 +19,7 @@ part that needs what an earlier one has yet to write waits for it by dataflow
 (or parks behind it) like any later fragment.
 
 Completion, blocking and landing flow out as reports to the ``report`` sink
-(the host forwards them to its island's scheduler); the executor never calls
+(the island's order, ``order.IslandOrder``, which hands them to its scheduler); the executor never calls
 the layers above it. If its thread dies, every pending and future wait fails
 with the reason, and the host says so to its health checks.
 """
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from pathways.errors import to_wire
 from pathways.events import EventLog
-from pathways.ops import Exec, Op, Recv, Send
+from pathways.ops import Op
 from resource_manager.host.buffers import BufferTable, Failure
 from resource_manager.host.handlers import Failed, Handlers
 from resource_manager.host.preemption import Preemption
@@ -99,15 +99,15 @@ class Executor:
     def count_uses(self, run: Run) -> list[int] | None:
         """Count the uses of what ``run``'s ops read and write and announce its receives; returns a one-op run's
         touched ids (kept on the run: its op's end uses them again), None for a longer one."""
-        if run.end - run.pc == 1 and type(run.ops[run.pc]) is not Recv:  # the common case: one computation
+        if run.end - run.pc == 1 and not run.ops[run.pc].RECEIVES:  # the common case: one computation
             touched = run.touched = run.touches(run.ops[run.pc])
             self.table.add_uses(touched)
             return touched
         touched = []
         for op in run.own_ops():
             touched += run.touches(op)
-            if isinstance(op, Recv):
-                self.receiver.expect(run.rid(op.out), op)
+            if op.RECEIVES:
+                self.handlers.by_op[type(op)].announce(run, op)
         self.table.add_uses(touched)
         return None
 
@@ -244,7 +244,7 @@ class Executor:
         meter = self.preemption
         before = meter.sample() if run.waiting_since is None or meter.cpu_work else None
         busy, compiled, longest = run.busy_s, run.compile_s, run.longest_s
-        if run.more and run.pc == 0 and len(run.ops) == 1 and type(run.ops[0]) is Exec and not self.events.enabled:
+        if run.more and run.pc == 0 and len(run.ops) == 1 and not self.events.enabled:
             progressed = self._advance_calls(run)
         else:
             progressed = self._advance_ops(run)
@@ -269,7 +269,7 @@ class Executor:
         start = time.perf_counter()
         compiled_before = run.compile_s
         try:
-            run_call = self.handlers.launcher(run, op)
+            run_call = self.handlers.by_op[type(op)].launcher(run, op)
         except Exception:  # noqa: BLE001 - the call itself will fail the same way, and say so, one by one
             run_call = None
         if run_call is None:
@@ -306,15 +306,17 @@ class Executor:
     def _advance_ops(self, run: Run) -> bool:
         progressed = False
         traced = self.events.enabled
+        by_op = self.handlers.by_op
         while run.pc < run.end:
             op = run.ops[run.pc]
-            if self.strict and isinstance(op, Recv) and run.resumed_at != run.pc:
+            handler = by_op[type(op)]
+            if self.strict and op.RECEIVES and run.resumed_at != run.pc:
                 self._park(run, op)
                 return progressed
             start, compiled_before = time.perf_counter(), run.compile_s
             wall = time.time() if traced else 0.0
             try:
-                if not self.handlers.run(run, op, run.resumed_at == run.pc):
+                if not handler.run(run, op, run.resumed_at == run.pc):
                     if run.more:
                         self._split(run)
                     if self.strict and self._park_behind(run, op):
@@ -322,25 +324,25 @@ class Executor:
                     now = time.monotonic()
                     if run.waiting_since is None:
                         run.waiting_since = now
-                        if isinstance(op, Recv) and not run.reported_blocked:
+                        if op.RECEIVES and not run.reported_blocked:
                             run.reported_blocked = True
                             self._report.blocked.append(run.seq)
                     if now - run.waiting_since < self.op_timeout:
                         return progressed
-                    self._fail_op(run, op, self._timeout_failure(run, op))
+                    self._fail_op(run, op, handler.waited_too_long(run, op))
             except Failed as exc:
                 self._fail_op(run, op, exc.failure)
             except Exception as exc:  # an op's failure becomes its outputs' failure
                 self._fail_op(run, op, Failure(*to_wire(exc)))
             elapsed = time.perf_counter() - start
             run.busy_s += elapsed
-            if type(op) is Exec:
+            if handler.computes:
                 ran = elapsed - (run.compile_s - compiled_before)
                 if ran > run.longest_s:
                     run.longest_s = ran
             self.busy_s += elapsed
             if traced:
-                self._trace_op(run, op, wall, elapsed)
+                self._trace_op(run, op, handler.trace(op), wall, elapsed)
             touched = run.touched if run.touched is not None else run.touches(op)
             self.table.done_using(touched, run.ids(op.frees) if op.frees else (), run.tenant)
             run.pc += 1
@@ -360,14 +362,14 @@ class Executor:
             self.version += 1
 
     # -- parking (multi-host islands) ---------------------------------------------------------------------
-    def _park(self, run: Run, op: Recv) -> None:
+    def _park(self, run: Run, op: Op) -> None:
         with self._lock:
             run.parked = True
             self.runs.remove(run)
             self.parked[run.seq] = run
             for buffer_id in run.remaining_writes():
                 self._future[buffer_id] = run.seq
-        self.receiver.watch(run.seq, run.pc, run.rid(op.out), op, op.expected(self.host))
+        self.handlers.by_op[type(op)].watch(run, op)
         if not run.reported_blocked:
             run.reported_blocked = True
             self._report.blocked.append(run.seq)
@@ -392,18 +394,8 @@ class Executor:
         return True
 
     # -- failures -----------------------------------------------------------------------------------------
-    def _timeout_failure(self, run: Run, op: Op) -> Failure:
-        if isinstance(op, Recv):
-            return Failure("IslandFailedError", f"island {self.island} waited {self.op_timeout:.0f}s for a transfer "
-                           f"from island {op.src} (program {run.label!r}); that island is dead or stuck")
-        return Failure("PathwaysError", f"{op.KIND} in program {run.label!r} waited {self.op_timeout:.0f}s for its "
-                       "inputs; a buffer it reads was never produced")
-
     def _fail_op(self, run: Run, op: Op, failure: Failure) -> None:
-        if isinstance(op, Send):
-            self.handlers.send_failure(run, op, failure)
-        elif isinstance(op, Recv):
-            self.receiver.drop(run.rid(op.out))
+        self.handlers.by_op[type(op)].fail(run, op, failure)
         for buffer_id in run.ids(op.writes()):
             try:
                 self.table.put(buffer_id, run.tenant, failure)
@@ -431,19 +423,13 @@ class Executor:
         self.table.die(failure)
         self.touch()
 
-    def _trace_op(self, run: Run, op: Op, wall: float, elapsed: float) -> None:
+    def _trace_op(self, run: Run, op: Op, facts: dict, wall: float, elapsed: float) -> None:
         if run.waiting_since is not None:
             waited = time.monotonic() - run.waiting_since
             self.events.span("wait for inputs", "wait", wall - waited, wall, seq=run.seq, op=op.KIND,
                              tenant=run.tenant)
-        args = {"seq": run.seq, "fragment": run.fragment, "tenant": run.tenant, "program": run.label}
-        if isinstance(op, Recv):
-            args.update(src_island=op.src, bytes=op.aval.nbytes)
-        elif isinstance(op, Send):
-            args.update(dst_island=op.island)
-        elif isinstance(op, Exec):
-            args.update(slice=op.slice)
-        self.events.span(op.label() if op.KIND == "exec" else op.KIND, op.KIND, wall, wall + elapsed, **args)
+        args = {"seq": run.seq, "fragment": run.fragment, "tenant": run.tenant, "program": run.label, **facts}
+        self.events.span(op.label(), op.KIND, wall, wall + elapsed, **args)
 
     # -- what a stuck client is told ----------------------------------------------------------------------
     def stalled(self, tenant: str) -> list[dict]:
@@ -455,10 +441,7 @@ class Executor:
             if run.pc >= run.end:
                 continue
             op = run.ops[run.pc]
-            if isinstance(op, Recv):
-                missing = [f"buffer {run.rid(op.out)} from island {op.src}"]
-            else:
-                missing = [f"buffer {i}" for i in run.ids(op.reads()) if i not in self.table]
+            missing = self.handlers.by_op[type(op)].missing(run, op)
             since = run.waiting_since
             out.append({"seq": run.seq, "program": run.label, "op": run.pc, "kind": op.KIND, "name": op.label(),
                         "missing": missing, "parked": run.parked,

@@ -1,8 +1,8 @@
 """A host's inbox: the island's ordered stream, admitted into the executor strictly by sequence number.
 
 Host 0 hands its own share over typed (it decoded and checked each message
-once, at admission); other hosts receive rows from host 0 (signed with the
-runtime key) and decode each payload once. Whatever arrives, the stream moves
+once, at admission); other hosts receive host 0's rows (``rows``, signed with
+the runtime key) and decode each payload once. Whatever arrives, the stream moves
 on: a message that fails here fails its own outputs, a put whose value never
 arrives fails that put when it runs, and nothing raises out of admission
 with the sequence counter stuck. Only a sequence number that never arrives
@@ -22,6 +22,7 @@ from resource_manager.host.admission import Admitted
 from resource_manager.host.buffers import BufferTable, Failure
 from resource_manager.host.executables import ExecutableCache
 from resource_manager.host.executor import Executor
+from resource_manager.host.rows import Calls, Message, decode_row
 from resource_manager.host.run import Place, Run
 from resource_manager.host.scheduler import Continue, Group, Item, Resume
 
@@ -50,38 +51,37 @@ class Inbox:
                     self._pending[seq] = item
             self._admit_ready()
 
-    def accept_rows(self, rows: list) -> None:
-        """Sequenced rows from host 0: ``(seq, "resume", run seq, pc)``, ``(seq, "part", first seq, lo, hi)``,
-        ``(seq, "group", [row, ...])`` or ``(seq, "msg", row)``."""
-        items = []
-        for row in rows:
+    def accept_rows(self, rows: list[tuple]) -> None:
+        """Sequenced rows from host 0 (``rows.encode``), each read here (``rows.decode_row``) and each client message
+        decoded once."""
+        items: list[tuple[int, Item]] = []
+        for raw in rows:
             try:
-                seq, kind, *rest = row
-                if kind == "resume":
-                    items.append((seq, Resume(*rest)))
-                elif kind == "part":
-                    items.append((seq, Continue(*rest)))
-                elif kind == "group":
-                    items.append((seq, Group(tuple(self._from_row(message) for message in rest[0]))))
-                else:
-                    items.append((seq, self._from_row(*rest)))
+                row = decode_row(raw)
+                item = row.item
+                if type(item) is Message:
+                    items.append((row.seq, self._from_row(item)))
+                elif type(item) is Calls:
+                    items.append((row.seq, Group(tuple(self._from_row(message) for message in item.messages))))
+                else:  # Resume, Continue: as the scheduler released them
+                    items.append((row.seq, item))
             except Exception as exc:  # host 0 is trusted, so this is a bug: say it, keep the order moving
                 log.exception("island %d host %d: an unreadable row from host 0", self.island, self.host)
-                if isinstance(row, (list, tuple)) and row and isinstance(row[0], int):
-                    items.append((row[0], Admitted(0, "", b"", None, refusal=Failure(*to_wire(exc)))))
+                if isinstance(raw, tuple) and raw and isinstance(raw[0], int):
+                    items.append((raw[0], Admitted(0, "", b"", None, refusal=Failure(*to_wire(exc)))))
         self.accept(items)
 
-    def _from_row(self, row: tuple) -> Admitted:
-        client, tenant, payload, refusal, lo, hi, end = row
-        if refusal is not None:  # the request only for the frees it carries, when it reads (as on host 0)
+    def _from_row(self, row: Message) -> Admitted:
+        if row.refusal is not None:  # the request only for the frees it carries, when it reads (as on host 0)
             try:
-                request = decode_request(payload)
+                request = decode_request(row.payload)
             except Exception:
                 request = None
-            return Admitted(client, tenant, payload, request, None, Failure(*refusal), lo, hi)
-        request = decode_request(payload)
-        template = self.templates.get(request.template, tenant) if isinstance(request, Call) else None
-        return Admitted(client, tenant, payload, request, template, end=end)
+            return Admitted(row.client, row.tenant, row.payload, request, None, Failure(*row.refusal), row.fail_lo,
+                            row.fail_hi)
+        request = decode_request(row.payload)
+        template = self.templates.get(request.template, row.tenant) if isinstance(request, Call) else None
+        return Admitted(row.client, row.tenant, row.payload, request, template, end=row.end)
 
     def _admit_ready(self) -> None:
         while self._next_seq in self._pending:

@@ -3,8 +3,11 @@
 Every transfer between islands costs one such message (the ``deliver`` that
 announces lent or attached shards, and the lease coming back), so a pipeline
 pays it on every stage hop. Hosts on the same node therefore keep one socket
-per peer for these messages; hosts on other nodes, and any peer whose socket
-fails, use Ray actor calls.
+per peer for these messages (``ChannelTransport``, the first transport of every
+route); hosts on other nodes, and any peer whose socket fails, use the next
+transport of the route. A peer on this node that passed a probe (it can read
+this process) gets small shards inside the frame and large ones lent
+(``direct``): kept alive here until their lease comes back.
 
 A frame is a header (the lengths of the two parts), a msgpack message, and the
 raw bytes of any small arrays it carries. Both lengths have ceilings: a peer
@@ -25,12 +28,23 @@ import sys
 import tempfile
 import threading
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
+
+from pathways import auth, wire
+from pathways.errors import TenantAccessError, WireFormatError
+from pathways.messages import Deliver, Lending, Returned
+from resource_manager.host.transport.direct import PROBE, Lent, readable
+from resource_manager.host.transport.interface import Inbound, LeasePool, Peer, Sent, Transport
+
+if TYPE_CHECKING:
+    from resource_manager.host.transport.peers import PeerInfo
 
 HEADER = struct.Struct("<II")  # message bytes, data bytes
 MAX_MESSAGE = 1 << 20  # a deliver message names at most a few thousand shards
 MAX_DATA = 16 << 20  # frames carry only small arrays; large ones are lent
+MIN_LENT = 100 * 1024  # below this a peer gets the shards inside the frame: cheaper than a lease
 SEND_TIMEOUT_S = 10.0
 _CREDENTIALS = struct.Struct("3i")  # pid, uid, gid of the connecting process
 log = logging.getLogger(__name__)
@@ -142,12 +156,148 @@ class Channel:
             pass
 
 
-def open_channel(handle: Handler, allowed: Callable[[int], bool]) -> Channel | None:
-    """This host's channel, or None where Unix sockets with peer credentials do not exist (not Linux)."""
+class Directory(Protocol):
+    """The runtime's hosts as the channel needs them: who is where."""
+
+    def info(self, island: int, host: int) -> PeerInfo | None:
+        """Host ``(island, host)`` as the resource manager started it, or None."""
+
+    def on_this_node(self, pid: int) -> PeerInfo | None:
+        """The runtime host with process id ``pid`` on this node."""
+
+
+class ChannelTransport(Transport):
+    """Deliveries to same-node peers over ``channel``, large shards lent from ``leases``; what arrives goes to
+    ``inbound``, leases that come back to ``leases``. ``directory`` says which process is which runtime host."""
+
+    name = "channel"
+
+    def __init__(self, key: bytes, node: str, directory: Directory, leases: LeasePool, inbound: Inbound) -> None:
+        self._key, self.node, self.pid = key, node, os.getpid()
+        self._directory, self._leases, self._inbound = directory, leases, inbound
+        self._links: dict[Peer, str] = {}
+        self._probe = np.frombuffer(PROBE, np.uint8).copy()
+        self.channel = Channel(self._frame, lambda pid: directory.on_this_node(pid) is not None)
+        self.address = self.channel.address
+
+    # -- sending ------------------------------------------------------------------------------------------
+    def link(self, peer: Peer, timeout: float) -> str:
+        """The channel address of ``peer`` if it is on this node and can read this process, else "": asked once
+        per peer, then remembered."""
+        known = self._links.get(peer)
+        if known is None:
+            known = ""
+            info = self._directory.info(*peer)
+            if info is not None and info.node == self.node and readable():
+                import ray
+
+                addr = self._probe.ctypes.data
+                mac = auth.sign(self._key, "probe", peer[0], peer[1], self.node, self.pid, addr)
+                try:
+                    known = ray.get(info.handle.probe_direct.remote(mac, self.node, self.pid, addr, PROBE),
+                                    timeout=timeout) or ""
+                except Exception:  # an unreachable peer fails its transfer on the next transport instead
+                    known = ""
+            self._links[peer] = known
+        return known
+
+    def linked(self, island: int, hosts: Sequence[int]) -> bool:
+        """Whether every one of these peers is known to take frames on the channel."""
+        return all(self._links.get((island, host)) for host in hosts)
+
+    def forget(self, peer: Peer) -> None:
+        """``peer`` was replaced (its island restarted): probe it anew."""
+        self._links.pop(peer, None)
+
+    def send(self, peer: Peer, msg: Deliver, arrays: list[np.ndarray], timeout: float) -> Sent:
+        link = self.link(peer, timeout)
+        if not link:
+            return Sent.PASSED
+        if sum(a.nbytes for a in arrays) >= MIN_LENT:
+            arrays = [np.ascontiguousarray(a) for a in arrays]
+            lease = self._leases.keep(arrays, peer[0])
+            lending = Lending(lease, tuple(a.ctypes.data for a in arrays), self.address)
+            frame, attached, sent = Deliver(msg.key, msg.src, msg.host, msg.shards, None, lending, None), [], Sent.LENT
+        else:
+            frame = Deliver(msg.key, msg.src, msg.host, msg.shards, msg.failure, None,
+                            arrays[0].dtype.name if arrays else None)
+            attached, sent, lease = arrays, Sent.SENT, None
+        try:
+            self.channel.send(link, frame.encode(), attached)
+            return sent
+        except OSError:  # the peer's socket is gone: the next transport says whether the peer is
+            if lease is not None:
+                self._leases.release([lease])
+            return Sent.PASSED
+
+    def give_back(self, peer: Peer, reply: str, leases: list[int]) -> bool:
+        if not reply:
+            return False
+        try:
+            self.channel.send(reply, Returned(tuple(leases)).encode())
+            return True
+        except OSError:
+            return False
+
+    # -- receiving ----------------------------------------------------------------------------------------
+    def _frame(self, meta: bytes, data: memoryview, pid: int) -> None:
+        """A frame from a runtime host on this node (its pid from the socket): shards lent or carried in ``data``,
+        or leases coming back."""
+        peer = self._directory.on_this_node(pid)
+        if peer is None:
+            raise TenantAccessError(f"a frame from pid {pid}, which is not one of this runtime's hosts")
+        decoded = wire.decode(meta, "deliver", Returned.KIND)
+        if decoded["kind"] == Returned.KIND:
+            self._leases.release(decoded["leases"])
+            return
+        msg = Deliver.from_wire(decoded)
+        if (msg.src, msg.host) != (peer.island, peer.host):
+            raise TenantAccessError(f"pid {pid} is island {peer.island} host {peer.host} but its frame claims "
+                                    f"island {msg.src} host {msg.host}")
+        src = (peer.island, peer.host)
+        self._inbound.deliver(msg, pieces_of(msg, data, pid, src), src)
+
+    def stats(self) -> dict:
+        return {"frames_in": self.channel.frames_in, "frames_out": self.channel.frames_out,
+                "channel_refused": self.channel.refused}
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def pieces_of(msg: Deliver, data: memoryview, pid: int, src: Peer) -> tuple:
+    """The pieces a channel frame carries: lent shards (copied out of process ``pid`` when they land), or small
+    shards back to back in ``data``. WireFormatError when the frame and its message disagree."""
+    pieces: tuple = ()
+    if msg.direct is not None:
+        if len(msg.direct.addrs) != len(msg.shards):
+            raise WireFormatError("deliver: lent addresses and shard indices differ in number")
+        pieces = tuple(Lent(pid, addr, shard, src, msg.direct.lease, msg.direct.channel)
+                       for addr, shard in zip(msg.direct.addrs, msg.shards))
+    elif msg.dtype is not None:  # small shards, back to back in the frame
+        dtype, offset, out = np.dtype(msg.dtype), 0, []
+        for shard in msg.shards:
+            shape = [b - a for a, b in shard]
+            count = int(np.prod(shape, dtype=np.int64))
+            if offset + count * dtype.itemsize > len(data):
+                raise WireFormatError("deliver: the shards take more bytes than the frame carries")
+            out.append(np.frombuffer(data, dtype, count, offset).reshape(shape))
+            offset += count * dtype.itemsize
+        if offset != len(data):
+            raise WireFormatError(f"deliver: the shards take {offset} bytes but the frame carries {len(data)}")
+        pieces = tuple(out)
+    if len(pieces) != len(msg.shards):
+        raise WireFormatError(f"deliver: {len(msg.shards)} shard indices but {len(pieces)} arrays")
+    return pieces
+
+
+def open_channel(key: bytes, node: str, directory: Directory, leases: LeasePool,
+                 inbound: Inbound) -> ChannelTransport | None:
+    """This host's channel transport, or None where Unix sockets with peer credentials do not exist (not Linux)."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        return Channel(handle, allowed)
+        return ChannelTransport(key, node, directory, leases, inbound)
     except OSError as exc:
         log.warning("no same-node channel (%s): peers on this node will use Ray actor calls", exc)
         return None

@@ -15,7 +15,7 @@ A route uses this path only after a probe showed that the receiver runs on the
 same Ray node and may read this process (the kernel's ptrace rules allow it:
 same user, and Yama's ptrace_scope 0); otherwise shards go through the object
 store. Hosts never widen those rules for themselves: the receiver reads only
-the process at the other end of its authenticated socket (``resource_manager.host.transport.peers``).
+the process at the other end of its authenticated socket (``resource_manager.host.transport.channel``).
 """
 
 from __future__ import annotations
@@ -63,6 +63,11 @@ def _load() -> Callable | None:
 
 _readv = _load()
 _threads = ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="direct-read")
+
+
+def readable() -> bool:
+    """Whether this platform lets a process copy out of another (Linux's ``process_vm_readv``)."""
+    return _readv is not None
 
 
 def _iovecs(addrs: np.ndarray, lengths: np.ndarray) -> np.ndarray:

@@ -1,20 +1,16 @@
-"""How a host's shards reach peer hosts, and who its peers are.
+"""Who a host's peers are, the shards it lent them, and the table that picks how a delivery reaches each.
 
-The resource manager tells every host the runtime's hosts (actor handle, node,
-process id, socket path); a host talks to no one else. A peer on this node
-that passed a probe gets frames on the channel: small shards inside the frame,
-large ones lent (kept alive here until their lease comes back; the receiver
-copies them out of this process, whose pid it takes from the socket, not from
-the frame). Other peers get a Ray actor call with the shards attached, through
-the object store, signed with the runtime key so that no other process can
-deliver in a host's name; a peer on another node gets its shards over the
-network path (``resource_manager.host.transport.network``) when both run it.
+The resource manager tells every host the runtime's hosts (actor handle, node, process id, socket path, data
+address); a host talks to no one else. A delivery goes by the first transport of ``ROUTE`` (``transport.interface``)
+that carries it: the same-node channel (``channel``: small shards inside the frame, large ones lent, kept alive
+here until their lease comes back), the network path to a host on another node (``network``), else a signed Ray
+actor call through the object store (``ray``), which reaches every peer. Leases come back the same way: the
+first transport of the route that can return them does.
 """
 
 from __future__ import annotations
 
 import itertools
-import logging
 import os
 import threading
 from collections.abc import Sequence
@@ -23,14 +19,11 @@ from typing import Any
 
 import numpy as np
 
-from pathways import auth, wire
-from pathways.messages import Deliver, Lending
-from resource_manager.host.transport.channel import Channel
-from resource_manager.host.transport.direct import PROBE, Lent, _readv
-from resource_manager.host.transport.network.path import NetworkPath
+from pathways.messages import Deliver
+from resource_manager.host.transport.direct import Lent
+from resource_manager.host.transport.interface import Sent, Transport
 
-MIN_BYTES = 100 * 1024  # below this a same-node peer gets the shards inside the frame: cheaper than a lease
-log = logging.getLogger(__name__)
+ROUTE = ("channel", "network", "ray")  # the transports a delivery tries, in order; the first that carries it wins
 
 
 @dataclass(frozen=True)
@@ -47,44 +40,62 @@ class PeerInfo:
 
 
 class Peers:
-    """This host's view of the other hosts: where to send, and the shards it lent to same-node peers."""
+    """This host's view of the other hosts: who they are, how to reach each (``ROUTE``), and what it lent them."""
 
-    def __init__(self, island: int, host: int, node: str, channel: Channel | None, runtime_key: bytes) -> None:
+    def __init__(self, island: int, host: int, node: str) -> None:
         self.island, self.host, self.node = island, host, node
         self.pid = os.getpid()
-        self.channel = channel
-        self.network: NetworkPath | None = None  # set once the host's network path is open
-        self._key = runtime_key
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._lent: dict[int, tuple[list[np.ndarray], int]] = {}
         self._hosts: dict[tuple[int, int], PeerInfo] = {}
         self._by_pid: dict[int, PeerInfo] = {}
-        self._links: dict[tuple[int, int], str] = {}
-        self._probe = np.frombuffer(PROBE, np.uint8).copy()
+        self.transports: dict[str, Transport] = {}
+        self._route: tuple[Transport, ...] = ()
+
+    def use(self, *transports: Transport | None) -> None:
+        """The transports this host has (those it could not open are None): their order is ``ROUTE``'s."""
+        for transport in transports:
+            if transport is not None:
+                if transport.name not in ROUTE:
+                    raise ValueError(f"transport {transport.name!r} has no place in the route {ROUTE}")
+                self.transports[transport.name] = transport
+        self._route = tuple(self.transports[name] for name in ROUTE if name in self.transports)
+
+    @property
+    def network(self) -> Any:
+        """The network path (``network.path.NetworkPath``), or None: the receive side registers receives with it."""
+        return self.transports.get("network")
 
     # -- who the peers are --------------------------------------------------------------------------------
     def set_hosts(self, hosts: Sequence[PeerInfo]) -> set[int]:
         """The runtime's hosts (after a start or an island's restart); links to changed hosts are probed anew.
         Returns the islands whose hosts were replaced."""
         replaced = set()
+        channel = self.transports.get("channel")
         with self._lock:
             for info in hosts:
                 old = self._hosts.get((info.island, info.host))
                 if old is not None and old.pid != info.pid:
-                    self._links.pop((info.island, info.host), None)
+                    if channel is not None:
+                        channel.forget((info.island, info.host))
                     replaced.add(info.island)
                 self._hosts[(info.island, info.host)] = info
             self._by_pid = {i.pid: i for i in self._hosts.values() if i.node == self.node}
-        if self.network is not None:
+        network = self.network
+        if network is not None:
             for island in replaced:
-                self.network.island_restored(island)
+                network.island_restored(island)
         return replaced
 
     def directory(self) -> dict[tuple[int, int], dict]:
         """Every runtime host's node and data address, by (island, host): where the network path may send."""
         with self._lock:
             return {key: {"node": i.node, "data": i.data} for key, i in self._hosts.items()}
+
+    def info(self, island: int, host: int) -> PeerInfo | None:
+        """Host ``(island, host)`` as the resource manager started it, or None."""
+        return self._hosts.get((island, host))
 
     def handle(self, island: int, host: int) -> Any:
         """The actor handle of host ``(island, host)``; KeyError if the resource manager never named it."""
@@ -98,82 +109,39 @@ class Peers:
         return self._by_pid.get(pid)
 
     # -- sending ------------------------------------------------------------------------------------------
-    def link(self, island: int, host: int, timeout: float) -> str:
-        """The channel address of host ``(island, host)`` if it is on this node and can read this process,
-        else "": asked once per peer, then remembered."""
-        key = (island, host)
-        known = self._links.get(key)
-        if known is None:
-            known = ""
-            info = self._hosts.get(key)
-            if info is not None and info.node == self.node and self.channel is not None and _readv is not None:
-                import ray
-
-                addr = self._probe.ctypes.data
-                mac = auth.sign(self._key, "probe", island, host, self.node, self.pid, addr)
-                try:
-                    known = ray.get(info.handle.probe_direct.remote(mac, self.node, self.pid, addr, PROBE),
-                                    timeout=timeout) or ""
-                except Exception:  # an unreachable peer fails its transfer on the Ray path instead
-                    known = ""
-            self._links[key] = known
-        return known
-
     def linked(self, island: int, hosts: Sequence[int]) -> bool:
-        """Whether every one of these peers is known to take frames on the channel."""
-        return all(self._links.get((island, host)) for host in hosts)
+        """Whether every one of these peers is known to take frames on the same-node channel (a send is then
+        cheap enough to make on the caller's thread)."""
+        channel = self.transports.get("channel")
+        return channel is not None and channel.linked(island, hosts)
 
     def send(self, island: int, host: int, msg: Deliver, arrays: list[np.ndarray], timeout: float) -> bool:
-        """Deliver ``msg`` and its ``arrays`` to a peer host; returns whether the shards were lent."""
-        link = self.link(island, host, timeout)
-        lend = bool(link) and sum(a.nbytes for a in arrays) >= MIN_BYTES
-        if link:
-            if lend:
-                frame, attached = self.lend(msg, arrays, island), []
-            else:
-                frame = Deliver(msg.key, msg.src, msg.host, msg.shards, msg.failure, None,
-                                arrays[0].dtype.name if arrays else None)
-                attached = arrays
-            try:
-                self.channel.send(link, frame.encode(), attached)
-                return lend
-            except OSError:  # the peer's socket is gone: Ray says whether the peer is
-                if lend:
-                    self.release([frame.direct.lease])
-        elif arrays and self.network is not None and self.network.push(island, host, msg.key, msg.shards, arrays):
-            return False  # a peer on another node, over the network path
-        meta = msg.encode()
-        self.handle(island, host).deliver.remote(meta, auth.sign(self._key, "deliver", island, host, meta), *arrays)
-        return False
+        """Deliver ``msg`` and its ``arrays`` to a peer host by the first transport of the route that carries it;
+        returns whether the shards were lent."""
+        peer = (island, host)
+        for transport in self._route:
+            sent = transport.send(peer, msg, arrays, timeout)
+            if sent is not Sent.PASSED:
+                return sent is Sent.LENT
+        raise ConnectionError(f"no transport reaches host {host} of island {island}")
 
     def give_back(self, pieces: Sequence[Lent]) -> None:
         """The receiver's side: return the leases of lent pieces to their senders, copied or not."""
         by_sender: dict[tuple[tuple[int, int], str], list[int]] = {}
         for piece in pieces:
             by_sender.setdefault((piece.src, piece.reply), []).append(piece.lease)
-        for ((island, host), reply), leases in by_sender.items():
-            payload = wire.encode("returned", {"leases": leases})
-            if reply and self.channel is not None:
-                try:
-                    self.channel.send(reply, payload)
-                    continue
-                except OSError:
-                    pass
-            try:
-                mac = auth.sign(self._key, "returned", island, host, payload)
-                self.handle(island, host).release_lent.remote(payload, mac)
-            except KeyError:
-                pass  # the sender is gone with its island
+        for (peer, reply), leases in by_sender.items():
+            for transport in self._route:
+                if transport.give_back(peer, reply, leases):
+                    break
 
     # -- lending ------------------------------------------------------------------------------------------
-    def lend(self, msg: Deliver, arrays: list[np.ndarray], island: int) -> Deliver:
-        """Keep ``arrays`` alive for a reader on ``island``; ``msg`` with the lease that names them."""
-        arrays = [np.ascontiguousarray(a) for a in arrays]
+    def keep(self, arrays: list[np.ndarray], island: int) -> int:
+        """Keep ``arrays`` alive for a reader on ``island``; the lease that names them."""
         with self._lock:
             lease = next(self._ids)
             self._lent[lease] = (arrays, island)
-        lending = Lending(lease, tuple(a.ctypes.data for a in arrays), self.channel.address if self.channel else "")
-        return Deliver(msg.key, msg.src, msg.host, msg.shards, None, lending, None)
+        return lease
 
     def release(self, leases: Sequence[int]) -> None:
         """Let go of the arrays lent under ``leases`` (their receiver has copied them, or never will)."""
@@ -183,8 +151,9 @@ class Peers:
 
     def drop_island(self, island: int) -> None:
         """A failed island will never read what was lent to it, nor finish what it was sending here."""
-        if self.network is not None:
-            self.network.drop_island(island)
+        network = self.network
+        if network is not None:
+            network.drop_island(island)
         with self._lock:
             for k in [k for k, (_, dst) in self._lent.items() if dst == island]:
                 del self._lent[k]
@@ -194,3 +163,15 @@ class Peers:
         """Bytes this host keeps alive for same-node readers now."""
         with self._lock:
             return sum(a.nbytes for arrays, _ in self._lent.values() for a in arrays)
+
+    def stats(self) -> dict:
+        """Every transport's counters."""
+        out: dict = {}
+        for transport in self._route:
+            out.update(transport.stats())
+        return out
+
+    def close(self) -> None:
+        """Close every transport."""
+        for transport in self._route:
+            transport.close()

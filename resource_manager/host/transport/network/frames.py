@@ -1,17 +1,20 @@
-"""What travels on a data connection, byte by byte, and how shards are cut into chunks. Pure: no sockets.
+"""What travels on a data connection, and how shards are cut into chunks. Pure: no sockets.
 
-A connection starts with a mutual handshake over a secret every host of the runtime holds (HMAC-SHA256 over
-both sides' fresh nonces and identities), so a server accepts data only from the runtime's own hosts and a
-sender gives data only to the host it meant (an address taken over by another process fails the check).
-Then the sender writes data frames, one per chunk::
+A data connection speaks the client protocol's handshake and framing (``pathways.protocol``): the server greets
+as the data server of host ``(island, host)`` (role ``data``), and the sending host proves a session that names
+it (``session_of``) under a key only holders of the runtime's secret can derive for it (``host_key``); the server
+proves the same key back, so a server accepts data only from the runtime's own hosts and a sender gives data only
+to the host it meant (an address taken over by another process fails the check). Both then share a key for this
+connection, and every frame carries a sequence number and a MAC under it (``pathways.protocol.frames``), so a
+frame cannot be forged, replayed or moved to another connection. A data frame's payload is a msgpack header::
 
-    magic "PWD1" | header length (u32) | msgpack header | payload (header["length"] bytes)
+    {"key", "shard", "dtype", "total", "offset", "length"}
 
-The header names the receive (``key``, the buffer id the recv op writes), the shard (its region of the
-global array), its dtype and total size, and which byte range of the shard this chunk carries. The
-receiver's checks of a header (``check_header``) come before any allocation: a size that disagrees with the
-shard's region, or exceeds a hard ceiling, ends the connection. A ``probe`` frame carries raw bytes to be
-landed and acknowledged, to time the bare link.
+naming the receive (``key``, the buffer id the recv op writes), the shard (its region of the global array), its
+dtype and total size, and which byte range of the shard the frame's data carries. The receiver's checks of a
+header (``decode_header``) come before any allocation: a size that disagrees with the shard's region, or exceeds
+a hard ceiling, ends the connection. A ``probe`` frame carries raw bytes to be landed and acknowledged, to time
+the bare link.
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import math
-import os
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,19 +29,16 @@ from dataclasses import dataclass
 import msgpack
 import numpy as np
 
+from pathways.protocol import handshake
 from pathways.sharding import Index, dtype_from_wire
 
-PROTOCOL = b"PWNET\x00\x01\x00"  # name and version, sent first by the server
-NONCE_BYTES = 32
-MAC_BYTES = 32
-IDENTITY = struct.Struct("<ii")  # (island, host)
-SERVER_HELLO = struct.Struct(f"<8s{NONCE_BYTES}s8s")  # protocol, nonce, identity
-CLIENT_HELLO = struct.Struct(f"<8s8s{NONCE_BYTES}s{MAC_BYTES}s")  # protocol, identity, nonce, mac
-FRAME = struct.Struct("<4sI")  # magic, header length
-MAGIC = b"PWD1"
+ROLE = "data"  # a data server's role in its handshake identity
+RUNTIME = "pathways-data"  # its runtime field: the runtime is the secret both sides hold
+IDENTITY = struct.Struct("<ii")  # (island, host), as a host's key is derived over it
+HOST_BITS = 32  # a session id is 1 + (island << HOST_BITS) + host: never 0, the anonymous session
 MAX_HEADER_BYTES = 4096
 MAX_NDIM = 32
-ACK = b"\x06"
+ACK = msgpack.packb({"ack": True})
 
 Identity = tuple[int, int]  # (island, host)
 
@@ -48,55 +47,39 @@ class ProtocolError(Exception):
     """A peer broke the protocol (bad handshake, malformed or absurd frame): its connection is closed."""
 
 
-def pack_identity(identity: Identity) -> bytes:
-    """A host's (island, host) as the handshake's fixed 8 bytes."""
-    return IDENTITY.pack(*identity)
+def session_of(host: Identity) -> int:
+    """The session id a sending host proves in the handshake: it names the host."""
+    island, index = host
+    if not (0 <= island < 1 << 31 and 0 <= index < 1 << HOST_BITS - 1):
+        raise ValueError(f"no session names host {index} of island {island}")
+    return 1 + (island << HOST_BITS) + index
 
 
-def unpack_identity(data: bytes) -> Identity:
-    """The (island, host) in a handshake's 8 identity bytes."""
-    island, host = IDENTITY.unpack(data)
-    return island, host
+def host_of(session: int) -> Identity | None:
+    """The host a session id names (``session_of``'s inverse), or None for an id no host's session has."""
+    rest = session - 1
+    island, index = rest >> HOST_BITS, rest & ((1 << HOST_BITS) - 1)
+    return (island, index) if 0 <= island < 1 << 31 and index < 1 << HOST_BITS - 1 else None
 
 
-def client_mac(secret: bytes, server_nonce: bytes, client_nonce: bytes, client: Identity, server: Identity) -> bytes:
-    """What the connecting host proves: it holds the secret, now, as ``client``, talking to ``server``."""
-    msg = b"client" + server_nonce + client_nonce + pack_identity(client) + pack_identity(server)
-    return hmac.new(secret, msg, hashlib.sha256).digest()
+def host_key(secret: bytes, host: Identity) -> bytes:
+    """The key host ``host`` proves its session with: derived from the runtime's secret, for that host alone."""
+    return hmac.new(secret, b"pathways-data-host" + IDENTITY.pack(*host), hashlib.sha256).digest()
 
 
-def server_mac(secret: bytes, server_nonce: bytes, client_nonce: bytes, client: Identity, server: Identity) -> bytes:
-    """What the accepting host proves back, so a sender never streams data to an impostor."""
-    msg = b"server" + client_nonce + server_nonce + pack_identity(server) + pack_identity(client)
-    return hmac.new(secret, msg, hashlib.sha256).digest()
+def server_identity(host: Identity) -> handshake.Identity:
+    """What the data server of ``host`` says it is in the handshake."""
+    return handshake.Identity(RUNTIME, ROLE, host[0], host[1])
 
 
-def macs_equal(a: bytes, b: bytes) -> bool:
-    """Whether two MACs are equal; compares in constant time."""
-    return hmac.compare_digest(a, b)
+def accepting(secret: bytes, host: Identity) -> handshake.Accepting:
+    """The data server's half of one handshake (run by ``resource_manager.doorway``): any runtime host may prove
+    itself, under the key the secret derives for the host its session names."""
+    def session_key(session: int) -> bytes | None:
+        peer = host_of(session)
+        return None if peer is None else host_key(secret, peer)
 
-
-class Accepting:
-    """The server's half of one data connection's handshake as a value that does no I/O (run by
-    ``resource_manager.doorway``): the greeting, the bytes it then waits for, and the verdict, which is the host
-    the peer proved to be."""
-
-    expect = CLIENT_HELLO.size
-
-    def __init__(self, secret: bytes, identity: Identity) -> None:
-        self._secret, self._identity = secret, identity
-        self._nonce = os.urandom(NONCE_BYTES)
-        self.greeting = SERVER_HELLO.pack(PROTOCOL, self._nonce, pack_identity(identity))
-
-    def finish(self, answer: bytes) -> tuple[bytes, Identity]:
-        """The server's proof and the peer's identity; ProtocolError if the peer did not prove it holds the secret."""
-        protocol, ident, client_nonce, mac = CLIENT_HELLO.unpack(answer)
-        if protocol != PROTOCOL:
-            raise ProtocolError(f"speaks protocol {protocol!r}, not {PROTOCOL!r}")
-        peer = unpack_identity(ident)
-        if not macs_equal(mac, client_mac(self._secret, self._nonce, client_nonce, peer, self._identity)):
-            raise ProtocolError(f"failed authentication (claimed to be host {peer[1]} of island {peer[0]})")
-        return server_mac(self._secret, self._nonce, client_nonce, peer, self._identity), peer
+    return handshake.Accepting(server_identity(host), session_key, anonymous=False)
 
 
 # -- data frames ---------------------------------------------------------------------------------------------
@@ -120,26 +103,14 @@ class Header:
 
 
 def encode_header(key: int, shard: Index, dtype: str, total: int, offset: int, length: int) -> bytes:
-    """A data frame's prefix and header: ``length`` bytes at ``offset`` of shard ``shard`` of receive ``key``."""
-    body = msgpack.packb({"key": key, "shard": [list(r) for r in shard], "dtype": dtype, "total": total,
+    """A data frame's payload: its data is ``length`` bytes at ``offset`` of shard ``shard`` of receive ``key``."""
+    return msgpack.packb({"key": key, "shard": [list(r) for r in shard], "dtype": dtype, "total": total,
                           "offset": offset, "length": length})
-    return FRAME.pack(MAGIC, len(body)) + body
 
 
 def encode_probe(nbytes: int) -> bytes:
-    """A probe frame's prefix and header: ``nbytes`` raw bytes follow, to be landed and acknowledged."""
-    body = msgpack.packb({"probe": nbytes})
-    return FRAME.pack(MAGIC, len(body)) + body
-
-
-def header_length(prefix: bytes) -> int:
-    """The msgpack header's length from a frame's fixed prefix; a wrong magic or absurd length is fatal."""
-    magic, length = FRAME.unpack(prefix)
-    if magic != MAGIC:
-        raise ProtocolError(f"not a data frame (magic {magic!r})")
-    if not 0 < length <= MAX_HEADER_BYTES:
-        raise ProtocolError(f"a frame header of {length} bytes (at most {MAX_HEADER_BYTES})")
-    return length
+    """A probe frame's payload: its data is ``nbytes`` raw bytes, to be landed and acknowledged."""
+    return msgpack.packb({"probe": nbytes})
 
 
 def _int(body: dict, name: str, low: int = 0) -> int:

@@ -4,9 +4,9 @@ A send cuts its pieces into chunks and streams them over up to ``streams`` conne
 (several flows fill a link one flow cannot; ``benchmarks/transfer_nodes.py --streams-sweep`` measures how
 much each adds). Chunks go straight from the
 pieces' memory (for a CPU ``jax.Array`` shard, ``np.asarray`` is the device buffer itself) to the socket:
-no copy, no serialization. Connections are opened on demand, authenticated (``frames``: the peer must prove
-it holds the runtime's secret too), and kept for the next send; many sends may be in flight to one peer,
-each taking a free connection per stream.
+no copy, no serialization. Connections are the client protocol's (``pathways.protocol.connection``), opened on
+demand, authenticated (``frames``: the peer must prove it holds the runtime's secret too), and kept for the next
+send; many sends may be in flight to one peer, each taking a free connection per stream.
 
 A send that fails (connection refused or reset, peer not reading within ``send_timeout``) raises
 ``NetworkError`` after closing the connections it used, and leaves every other send alone; the caller then
@@ -15,10 +15,8 @@ falls back to Ray's object store.
 
 from __future__ import annotations
 
-import os
 import queue
 import select
-import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -26,10 +24,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from pathways.errors import PathwaysError
+from pathways.protocol import connection
+from pathways.protocol.connection import Connection
+from pathways.protocol.frames import FrameError
+from pathways.protocol.handshake import HandshakeError
+from pathways.protocol.handshake import Identity as Endpoint
 from pathways.sharding import Index
 from resource_manager.host.transport.network import frames
 from resource_manager.host.transport.network.frames import Identity, ProtocolError
-from resource_manager.host.transport.network.server import keepalive, recv_bytes
 
 CONNECT_TIMEOUT_S = 5.0  # a peer behind a firewall that drops packets fails over to Ray this fast
 
@@ -38,43 +41,33 @@ class NetworkError(OSError):
     """A send over the data path failed; the caller falls back to the object store."""
 
 
-def parse_address(address: str) -> tuple[str, int]:
-    """(host, port) from 'host:port' or '[ipv6]:port'."""
-    host, _, port = address.rpartition(":")
-    return host.strip("[]"), int(port)
-
-
 def connect(address: str, own: Identity, peer: Identity, secret: bytes, timeout: float,
-            connect_timeout: float = CONNECT_TIMEOUT_S) -> socket.socket:
+            connect_timeout: float = CONNECT_TIMEOUT_S) -> Connection:
     """An authenticated connection to ``peer``'s data server at ``address`` (both sides prove the secret);
-    ``timeout`` then bounds each write."""
-    conn = socket.create_connection(parse_address(address), timeout=connect_timeout)
+    ``timeout`` then bounds each write. ProtocolError when the other side is not that host or refuses this one,
+    OSError when nothing answers."""
+
+    def expect(identity: Endpoint) -> None:
+        if (identity.role, identity.island, identity.host) != (frames.ROLE, *peer):
+            raise HandshakeError(f"{address} is {identity.describe()} ({identity.role}), not the data server of "
+                                 f"host {peer[1]} of island {peer[0]}")
+
     try:
-        protocol, nonce, ident = frames.SERVER_HELLO.unpack(recv_bytes(conn, frames.SERVER_HELLO.size))
-        if protocol != frames.PROTOCOL:
-            raise ProtocolError(f"{address} speaks {protocol!r}, not {frames.PROTOCOL!r}")
-        if frames.unpack_identity(ident) != peer:
-            raise ProtocolError(f"{address} is host {frames.unpack_identity(ident)}, not {peer}")
-        mine = os.urandom(frames.NONCE_BYTES)
-        conn.sendall(frames.CLIENT_HELLO.pack(frames.PROTOCOL, frames.pack_identity(own), mine,
-                                              frames.client_mac(secret, nonce, mine, own, peer)))
-        proof = recv_bytes(conn, frames.MAC_BYTES)
-        if not frames.macs_equal(proof, frames.server_mac(secret, nonce, mine, own, peer)):
-            raise ProtocolError(f"{address} could not prove it is host {peer[1]} of island {peer[0]}")
-    except BaseException:
-        conn.close()
-        raise
-    conn.settimeout(timeout)
-    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    keepalive(conn)
+        conn = connection.connect(address, frames.session_of(own), frames.host_key(secret, own), expect,
+                                  frames.MAX_HEADER_BYTES, 0, timeout=connect_timeout)
+    except PathwaysError as exc:
+        if isinstance(exc, HandshakeError) or exc.__class__ is not PathwaysError:
+            raise ProtocolError(str(exc)) from None
+        raise ConnectionError(str(exc)) from None  # nothing answers there, or the handshake was cut
+    conn.sock.settimeout(timeout)
     return conn
 
 
-def _alive(conn: socket.socket) -> bool:
+def _alive(conn: Connection) -> bool:
     """Whether an idle connection is still open: a server never writes on it, so anything readable means it
     closed (or reset), and the next write would be lost."""
     try:
-        readable, _, _ = select.select([conn], [], [], 0)
+        readable, _, _ = select.select([conn.sock], [], [], 0)
     except (OSError, ValueError):
         return False
     return not readable
@@ -109,11 +102,11 @@ class Link:
         self.streams = streams
         self.timeout = timeout
         self._cond = threading.Condition()
-        self._idle: list[socket.socket] = []
+        self._idle: list[Connection] = []
         self._open = 0
         self.opened = 0
 
-    def acquire(self) -> socket.socket:
+    def acquire(self) -> Connection:
         """A connection to the peer: an idle one that is still open, else a new one while fewer than ``streams``
         exist; waits at most ``timeout`` for one to come free (then NetworkError)."""
         with self._cond:
@@ -138,7 +131,7 @@ class Link:
             self.opened += 1
         return conn
 
-    def release(self, conn: socket.socket, healthy: bool) -> None:
+    def release(self, conn: Connection, healthy: bool) -> None:
         """Give a connection back: kept for the next send if ``healthy``, else closed."""
         with self._cond:
             if healthy:
@@ -207,7 +200,7 @@ class Links:
                 return
             try:
                 conn = link.acquire()
-            except (OSError, ProtocolError) as exc:
+            except (OSError, ProtocolError, PathwaysError) as exc:
                 failed.append(exc)
                 return
             healthy = False
@@ -219,9 +212,8 @@ class Links:
                         break
                     shard, view = pieces[chunk.piece][0], views[chunk.piece]
                     self.pace.take(chunk.length)
-                    conn.sendall(frames.encode_header(key, shard, dtypes[chunk.piece], view.nbytes, chunk.offset,
-                                                      chunk.length))
-                    conn.sendall(view[chunk.offset:chunk.offset + chunk.length])
+                    conn.send(frames.encode_header(key, shard, dtypes[chunk.piece], view.nbytes, chunk.offset,
+                                                   chunk.length), (view[chunk.offset:chunk.offset + chunk.length],))
                 healthy = True
             except OSError as exc:
                 failed.append(exc)
@@ -251,9 +243,12 @@ class Links:
         conn = connect(address, self.own, peer, self._secret, self.send_timeout)
         try:
             start = time.perf_counter()
-            conn.sendall(frames.encode_probe(nbytes))
-            conn.sendall(memoryview(payload))
-            if recv_bytes(conn, 1) != frames.ACK:
+            conn.send(frames.encode_probe(nbytes), (payload,))
+            try:
+                answer = conn.recv()
+            except FrameError as exc:
+                raise ProtocolError(f"the probe's answer is not a frame of this connection: {exc}") from None
+            if answer.payload != frames.ACK or answer.data:
                 raise ProtocolError("the probe was not acknowledged")
             return time.perf_counter() - start
         finally:

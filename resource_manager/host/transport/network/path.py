@@ -1,12 +1,14 @@
 """A host's network path: its data server, its links to peers, where peers are, and when not to use it.
 
-``peers.Peers`` asks ``push`` to carry each delivery to a peer without a same-node link. The path carries it
-when the peer is a host on another Ray node whose data server the resource manager advertised (its host info
-has ``data``: ``ip:port``, in the table of hosts the resource manager hands every host); addresses come only
-from the resource manager, never from a client's message.
+It is the ``network`` transport of ``transport.peers.ROUTE``: a delivery the same-node channel did not take
+comes here (``send``). The path carries it when the peer is a host on another Ray node whose data server the
+resource manager advertised (its host info has ``data``: ``ip:port``, in the table of hosts the resource
+manager hands every host); addresses come only from the resource manager, never from a client's message.
 Otherwise, or when the send fails, ``push`` says no with a log line saying why, and the delivery goes through
-Ray's object store, as it would without the path. A peer that could not be reached is left to the object store for
-``RETRY_S`` before the next try, so an unreachable data port costs one connect timeout, not one per send.
+Ray's object store (the next transport of the route), as it would without the path. A peer that could not be
+reached is left to the object store for ``RETRY_S`` before the next try, so an unreachable data port costs one
+connect timeout, not one per send. What arrives whole goes to the receive side (``transport.interface.Inbound``)
+from the thread that landed it.
 
 Configuration is the deployment's, read from each host's environment when it starts (``NetworkConfig``);
 ``PATHWAYS_NETWORK=off`` turns the path off. See docs/network.md.
@@ -24,11 +26,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pathways.messages import Deliver
 from pathways.ops import Recv
 from pathways.sharding import Index
+from resource_manager.host.transport.interface import Inbound, Peer, Sent, Transport
 from resource_manager.host.transport.network.frames import Identity
 from resource_manager.host.transport.network.links import Links, NetworkError
-from resource_manager.host.transport.network.receives import Deliver, Receives, expected_from_op
+from resource_manager.host.transport.network.receives import Receives, expected_from_op
 from resource_manager.host.transport.network.server import Alloc, DataServer
 
 log = logging.getLogger(__name__)
@@ -74,14 +78,17 @@ class NetworkConfig:
                    max_rate=float(env.get("PATHWAYS_NETWORK_MAX_RATE", 0) or 0))
 
 
-class NetworkPath:
+class NetworkPath(Transport):
     """This host's end of the data path (see the module docstring)."""
 
+    name = "network"
+
     def __init__(self, identity: Identity, node: str, ip: str, secret: bytes, config: NetworkConfig, alloc: Alloc,
-                 deliver: Deliver, directory: Directory, stale_s: float) -> None:
+                 inbound: Inbound, directory: Directory, stale_s: float) -> None:
         self.identity, self.node = identity, node
         self.config = config
-        self.receives = Receives(deliver, config.unclaimed_limit, stale_s)
+        self._inbound = inbound
+        self.receives = Receives(self._landed, config.unclaimed_limit, stale_s)
         self.server = DataServer(identity, secret, ip, self.receives, alloc, config.ceiling, config.ports)
         self.links = Links(identity, secret, config.streams, config.chunk_bytes, rate=config.max_rate)
         self.address = self.server.address
@@ -94,6 +101,11 @@ class NetworkPath:
         self.fallbacks = 0
 
     # -- sending --------------------------------------------------------------------------------------------
+    def send(self, peer: Peer, msg: Deliver, arrays: list[np.ndarray], timeout: float) -> Sent:
+        if arrays and self.push(peer[0], peer[1], msg.key, msg.shards, arrays):
+            return Sent.SENT
+        return Sent.PASSED  # a failure delivery, or a peer this path does not reach now
+
     def push(self, island: int, host: int, key: int, shards: Sequence[Index], arrays: Sequence[np.ndarray]) -> bool:
         """Carry shards for receive ``key`` to a peer on another node; False: use the object store."""
         peer = (island, host)
@@ -163,6 +175,10 @@ class NetworkPath:
         return self.links.probe((island, host), address, nbytes)
 
     # -- receiving ------------------------------------------------------------------------------------------
+    def _landed(self, key: int, sender: Identity, shard: Index, array: np.ndarray) -> None:
+        """A piece its plan routes from ``sender`` arrived whole (authenticated and checked by ``receives``)."""
+        self._inbound.deliver(Deliver(key, sender[0], sender[1], (shard,)), (array,), sender)
+
     def expect(self, key: int, op: Recv) -> None:
         """A recv op was admitted here: accept the pieces its plan routes to this host."""
         expected = expected_from_op(op, self.identity[1])
@@ -205,7 +221,7 @@ class NetworkPath:
         self.links.close()
 
 
-def open_network_path(identity: Identity, node: str, ip: str, secret: bytes | None, alloc: Alloc, deliver: Deliver,
+def open_network_path(identity: Identity, node: str, ip: str, secret: bytes | None, alloc: Alloc, inbound: Inbound,
                       directory: Directory, stale_s: float,
                       config: NetworkConfig | None = None) -> NetworkPath | None:
     """The host's network path, or None (with a log line saying why) when it is off or cannot start."""
@@ -221,7 +237,7 @@ def open_network_path(identity: Identity, node: str, ip: str, secret: bytes | No
         log.warning("the network data path is off: the resource manager gave this host no secret")
         return None
     try:
-        return NetworkPath(identity, node, ip, secret, config, alloc, deliver, directory, stale_s)
+        return NetworkPath(identity, node, ip, secret, config, alloc, inbound, directory, stale_s)
     except (OSError, ValueError) as exc:
         log.warning("the network data path is off: its data server could not start on %s (%s)", ip, exc)
         return None

@@ -29,7 +29,7 @@ from resource_manager.host.transport.network.frames import Identity
 
 log = logging.getLogger(__name__)
 
-Deliver = Callable[[int, Identity, Index, np.ndarray], None]  # (key, sending host, shard, array)
+Accept = Callable[[int, Identity, Index, np.ndarray], None]  # (key, sending host, shard, array): an accepted piece
 LATER = "later"  # not registered yet: land, then stage
 OK = "ok"
 REMEMBER_DONE = 65536  # finished receives remembered, so late pieces for them are refused, not staged
@@ -73,7 +73,7 @@ class Receives:
     so it may take the executor's lock even when ``expect`` is called under it.
     """
 
-    def __init__(self, deliver: Deliver, unclaimed_limit: int, stale_s: float) -> None:
+    def __init__(self, deliver: Accept, unclaimed_limit: int, stale_s: float) -> None:
         self._deliver = deliver
         self.unclaimed_limit = unclaimed_limit
         self.stale_s = stale_s

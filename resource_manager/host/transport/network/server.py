@@ -1,12 +1,13 @@
 """A host's data server: authenticates peer hosts and lands the chunks they push straight into landing buffers.
 
 One listening socket on the host's node IP (an ephemeral port, or one from a configured range so firewalls
-can open just that range). A connection must first pass the handshake of ``frames`` (the runtime's secret,
-mutual), run on the ``Doorway``'s one thread with its bounds and deadline; only then does it get a thread of its
-own, and at most ``MAX_CONNECTIONS`` are served at once. Then every frame header is checked before a byte is allocated
-(``frames.decode_header``: sizes must agree with the shard's region and stay under a hard ceiling, or the
-connection ends), and the piece must be one the plan routes from that sender (``receives``), or the frame's
-bytes are read and dropped.
+can open just that range). A connection must first pass the client protocol's handshake (``frames.accepting``:
+the runtime's secret, mutual), run on the ``Doorway``'s one thread with its bounds and deadline; only then does
+it get a thread of its own, and at most ``MAX_CONNECTIONS`` are served at once. Then every frame is the client
+protocol's (``pathways.protocol.frames``: its lengths are checked against ceilings, its sequence number and MAC
+before its header is read), and every header is checked before a byte is allocated (``frames.decode_header``:
+sizes must agree with the shard's region and stay under a hard ceiling, or the connection ends), and the piece
+must be one the plan routes from that sender (``receives``), or the frame's bytes are read and dropped.
 
 An accepted chunk is received with ``recv_into`` straight into the piece's landing buffer, taken from the
 host's buffer pool (64-byte aligned, so when the piece is exactly one device's region the device adopts the
@@ -26,6 +27,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pathways.protocol import connection
+from pathways.protocol.connection import Connection
+from pathways.protocol.frames import FrameError
+from pathways.protocol.handshake import Proven
 from pathways.sharding import Index
 from resource_manager.doorway import Doorway
 from resource_manager.host.transport.network import frames
@@ -35,32 +40,7 @@ from resource_manager.host.transport.network.receives import LATER, OK, Receives
 log = logging.getLogger(__name__)
 
 Alloc = Callable[[Sequence[int], np.dtype], np.ndarray]
-DRAIN_BYTES = 1 << 20
 MAX_CONNECTIONS = 256  # peer hosts' connections served at once (each sender keeps a few per peer)
-
-
-def recv_exactly(conn: socket.socket, view: memoryview) -> None:
-    """Fill ``view`` from ``conn``; ConnectionError if the peer closes first."""
-    while len(view):
-        n = conn.recv_into(view)
-        if n == 0:
-            raise ConnectionError("the peer closed the connection")
-        view = view[n:]
-
-
-def recv_bytes(conn: socket.socket, n: int) -> bytes:
-    """Exactly ``n`` bytes from ``conn``; ConnectionError if the peer closes first."""
-    buf = bytearray(n)
-    recv_exactly(conn, memoryview(buf))
-    return bytes(buf)
-
-
-def keepalive(conn: socket.socket) -> None:
-    """Probe an idle connection, so one to a machine that vanished without a reset ends within a minute."""
-    conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for name, value in (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 4)):
-        if hasattr(socket, name):
-            conn.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
 def bind(ip: str, ports: range | None) -> socket.socket:
@@ -114,7 +94,7 @@ class DataServer:
         self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         self._lock = threading.Lock()
         self._partials: dict[tuple[Identity, int, Index], _Partial] = {}
-        self._conns: set[socket.socket] = set()
+        self._conns: set[Connection] = set()
         self._closed = False
         self.connections = 0
         self.refused = 0
@@ -123,12 +103,14 @@ class DataServer:
         self.bytes_in = 0
         self.pieces_in = 0
         self.released_bytes = 0
-        self.door = Doorway(self._listener, lambda: frames.Accepting(secret, identity), self._admitted, "net")
+        self.door = Doorway(self._listener, lambda: frames.accepting(secret, identity), self._admitted, "net")
 
     # -- connections ----------------------------------------------------------------------------------------
-    def _admitted(self, conn: socket.socket, addr: tuple, peer: Identity) -> None:
+    def _admitted(self, sock: socket.socket, addr: tuple, proven: Proven) -> None:
         """A peer host that proved itself (on the doorway's thread): served on a thread of its own, within
         ``MAX_CONNECTIONS``."""
+        peer = frames.host_of(proven.session)
+        conn = connection.adopt(sock, proven, frames.MAX_HEADER_BYTES, self.ceiling)
         with self._lock:
             ok = not self._closed and len(self._conns) < MAX_CONNECTIONS
             if ok:
@@ -141,43 +123,41 @@ class DataServer:
                         peer[0], MAX_CONNECTIONS)
             conn.close()
             return
-        keepalive(conn)
         threading.Thread(target=self._serve, args=(conn, peer), name="net-serve", daemon=True).start()
 
-    def _serve(self, conn: socket.socket, peer: Identity) -> None:
-        with conn:
-            try:
-                self._frames(conn, peer)
-            except ProtocolError as exc:
-                with self._lock:
-                    self.protocol_errors += 1
-                log.warning("data server %s dropped host %d of island %d: %s", self.address, peer[1], peer[0], exc)
-            except OSError as exc:  # reset, or closed mid-frame: the sender (or its node) died
-                with self._lock:
-                    self.broken += 1
-                log.info("connection from host %d of island %d broke: %s", peer[1], peer[0], exc)
-            finally:
-                with self._lock:
-                    self._conns.discard(conn)
+    def _serve(self, conn: Connection, peer: Identity) -> None:
+        try:
+            self._frames(conn, peer)
+        except (ProtocolError, FrameError) as exc:
+            with self._lock:
+                self.protocol_errors += 1
+            log.warning("data server %s dropped host %d of island %d: %s", self.address, peer[1], peer[0], exc)
+        except OSError as exc:  # reset, or closed mid-frame: the sender (or its node) died
+            with self._lock:
+                self.broken += 1
+            log.info("connection from host %d of island %d broke: %s", peer[1], peer[0], exc)
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
 
-    def _frames(self, conn: socket.socket, peer: Identity) -> None:
-        prefix = bytearray(frames.FRAME.size)
+    def _frames(self, conn: Connection, peer: Identity) -> None:
         while True:
-            try:
-                first = conn.recv_into(prefix)
-            except OSError:
-                return
-            if first == 0:
+            frame = conn.next()
+            if frame is None:
                 return  # closed between frames: a clean end
-            recv_exactly(conn, memoryview(prefix)[first:])
-            header = frames.decode_header(recv_bytes(conn, frames.header_length(bytes(prefix))), self.ceiling)
+            header = frames.decode_header(frame.payload, self.ceiling)
             if isinstance(header, int):
+                if frame.data != header:
+                    raise ProtocolError(f"a probe of {header} bytes carries {frame.data}")
                 self._probe(conn, header)
-            else:
-                self._land(conn, peer, header)
+                continue
+            if frame.data != header.length:
+                raise ProtocolError(f"a header for {header.length} bytes on a frame of {frame.data}")
+            self._land(conn, peer, header)
 
     # -- landing --------------------------------------------------------------------------------------------
-    def _land(self, conn: socket.socket, peer: Identity, h: Header) -> None:
+    def _land(self, conn: Connection, peer: Identity, h: Header) -> None:
         slot = (peer, h.key, h.shard)
         verdict = self._receives.verdict(peer, h.key, h.shard, h.dtype)
         if verdict not in (OK, LATER):
@@ -186,7 +166,7 @@ class DataServer:
                 piece = self._partials.get(slot)
             if piece is not None:
                 self._release(slot, piece)
-            self._drain(conn, h.length)
+            conn.skip(h.length)
             return
         with self._lock:
             piece = self._partials.get(slot)
@@ -203,7 +183,7 @@ class DataServer:
                 raise ProtocolError(f"shard {h.shard} of receive {h.key} was {piece.total} bytes, now {h.total}")
             piece.claim(h.offset, h.length)
         try:
-            recv_exactly(conn, piece.view[h.offset:h.offset + h.length])
+            conn.read_into(piece.view[h.offset:h.offset + h.length])
         except BaseException:
             self._release(slot, piece)
             raise
@@ -226,18 +206,11 @@ class DataServer:
         if piece.reserved:
             self._receives.unreserve(piece.total)
 
-    def _drain(self, conn: socket.socket, nbytes: int) -> None:
-        scratch = memoryview(bytearray(min(nbytes, DRAIN_BYTES)))
-        while nbytes:
-            n = min(nbytes, len(scratch))
-            recv_exactly(conn, scratch[:n])
-            nbytes -= n
-
-    def _probe(self, conn: socket.socket, nbytes: int) -> None:
+    def _probe(self, conn: Connection, nbytes: int) -> None:
         """Land ``nbytes`` raw bytes in a pool buffer and acknowledge: the bare link, for a baseline."""
         buf = self._alloc((nbytes,), np.dtype(np.uint8))
-        recv_exactly(conn, memoryview(buf))
-        conn.sendall(frames.ACK)
+        conn.read_into(memoryview(buf))
+        conn.send(frames.ACK)
 
     def drop(self, key: int | None = None, island: int | None = None) -> int:
         """Release the partial pieces of receive ``key``, or from island ``island``; returns their bytes."""
@@ -275,7 +248,4 @@ class DataServer:
         self.door.close()
         self._listener.close()
         for conn in conns:
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            conn.close()

@@ -37,7 +37,7 @@ def _budgets(pairs: list[str]) -> dict[str, int]:
     out = {}
     for pair in pairs:
         name, sep, value = pair.partition("=")
-        if not sep or not value.strip().isdigit():
+        if not sep or not value.strip().isdecimal():
             raise CliError(f"--budget {pair!r}: write NAME=VALUE with a whole number, e.g. host_bytes=4294967296")
         out[name.strip()] = int(value)
     return out
@@ -67,7 +67,7 @@ def _show_credential(name: str, secret: str, address: str) -> None:
     path = secrets.write_secret(secrets.credential_path(name), secret)
     print(f"credential of {name} (shown only this once), saved to {path} (readable by you only).\n"
           f"  Hand {name} this command over a private channel; on their machine it sets everything up:\n\n"
-          f"    pathways login {address} --tenant {name} --credential {secret}\n")
+          f"    pathways login {address} --tenant {name} --credential={secret}\n")
 
 
 def cmd_tenants_add(args: argparse.Namespace) -> int:

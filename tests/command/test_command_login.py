@@ -23,6 +23,7 @@ from resource_manager.registry import Registry
 
 ADDRESS = "pathways://127.0.0.1:47001"
 ADMIN = "the-admin-credential"
+SECRETS = {"acme": "acme-credential", "beta": "beta-credential"}  # fixed: a random one may begin with '-'
 
 
 class Runtime:
@@ -30,7 +31,9 @@ class Runtime:
 
     def __init__(self) -> None:
         self.registry = Registry(None, auth.digest(ADMIN))
-        self.secret = self.registry.add("acme", 1.0)
+        for name, secret in SECRETS.items():
+            self.registry.add(name, 1.0, digest=auth.digest(secret))
+        self.secret = SECRETS["acme"]
         self.links: list[Link] = []
         self.unreachable: str | None = None
 
@@ -141,7 +144,7 @@ def test_logout_forgets_the_login_and_says_when_there_is_none(runtime, capsys):
 
 
 def test_a_second_login_replaces_the_first(runtime):
-    other = runtime.registry.add("beta", 1.0)
+    other = SECRETS["beta"]
     cmd_login(args(ADDRESS, "--tenant", "acme", "--credential", runtime.secret))
     cmd_login(args("pathways://127.0.0.1:47002", "--tenant", "beta", "--credential", other))
     assert json.loads(login_path().read_text()) == {"address": "pathways://127.0.0.1:47002", "tenant": "beta",

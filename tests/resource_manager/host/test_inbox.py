@@ -6,6 +6,7 @@ stuck; refusals fail their outputs and still free; puts take their uploaded valu
 from __future__ import annotations
 
 import random
+import sys
 import threading
 
 import numpy as np
@@ -109,27 +110,41 @@ def test_a_repeated_or_stale_sequence_number_is_ignored(host):
 
 
 def test_items_from_several_threads_are_each_admitted_once_in_order(host):
-    """``accept`` is called from several threads: every number is admitted once, whatever the interleaving."""
-    n = 400
+    """``accept`` is called from several threads: every number is admitted once, whatever the interleaving (the
+    interpreter switches threads as often as it can here, so that unguarded state would show)."""
+    saved_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        _deliver_from_threads(host)
+    finally:
+        sys.setswitchinterval(saved_interval)
+
+
+def _deliver_from_threads(host: Host) -> None:
+    n = 1000
     ids = [BASE + k for k in range(n)]
     for buffer_id in ids:
         host.value(buffer_id)
-    batches = [[(k, free(BASE + k)) for k in range(n)] for _ in range(4)]  # every thread brings every item
-    for batch in batches:
-        random.Random(len(batch)).shuffle(batch)
+    batches = [[(k, free(BASE + k)) for k in range(n)] for _ in range(6)]  # every thread brings every item
+    for seed, batch in enumerate(batches):
+        random.Random(seed).shuffle(batch)
     start = threading.Barrier(len(batches))
+    errors: list[BaseException] = []
 
     def deliver(batch) -> None:
         start.wait(timeout=WAIT)
-        for k in range(0, n, 16):
-            host.inbox.accept(batch[k:k + 16])
+        try:
+            for k in range(0, n, 4):
+                host.inbox.accept(batch[k:k + 4])
+        except BaseException as exc:  # accept never raises: report it to the test
+            errors.append(exc)
 
     threads = [threading.Thread(target=deliver, args=(b,)) for b in batches]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=WAIT)
-    assert not any(t.is_alive() for t in threads)
+    assert not any(t.is_alive() for t in threads) and errors == []
     assert host.inbox.next_seq == n and host.inbox.held() == 0
     assert not any(i in host.table for i in ids)
 

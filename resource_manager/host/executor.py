@@ -22,6 +22,10 @@ Completion, blocking and landing flow out as reports to the ``report`` sink
 (the island's order, ``order.IslandOrder``, which hands them to its scheduler); the executor never calls
 the layers above it. If its thread dies, every pending and future wait fails
 with the reason, and the host says so to its health checks.
+
+Its parts: ``parking`` (the parked runs), ``reports`` (what a pass reports, and its trace), ``group_calls`` (a
+group's calls back to back), ``run_failures`` (where a failed op's failure goes), ``waits`` (deadlines and
+what a stuck client is told).
 """
 
 from __future__ import annotations
@@ -30,32 +34,22 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from pathways.errors import to_wire
 from pathways.events import EventLog
 from pathways.ops import Op
 from resource_manager.host.buffers import BufferTable, Failure
+from resource_manager.host.group_calls import run_calls
 from resource_manager.host.handlers import Failed, Handlers
+from resource_manager.host.parking import Parking
 from resource_manager.host.preemption import Preemption
 from resource_manager.host.receive import Receiver
+from resource_manager.host.reports import Recorder, Report
 from resource_manager.host.run import Run
+from resource_manager.host.run_failures import fail_op, fail_rest
+from resource_manager.host.waits import next_deadline, stalled
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Report:
-    """What the executor tells the island's scheduler: fragments done (seq, island seconds, the seconds of those
-    spent compiling, the longest one computation of it ran), fragments waiting on another island (they leave the
-    window), and parked receives whose data landed here."""
-
-    done: list[list] = field(default_factory=list)
-    blocked: list[int] = field(default_factory=list)
-    landed: list[tuple[int, int]] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.done or self.blocked or self.landed)
 
 
 class Executor:
@@ -78,12 +72,9 @@ class Executor:
         self._cond = threading.Condition(self._lock)
         self.op_timeout = op_timeout
         self.events = events
-        self._report_to = report
-        self._report = Report()
+        self._record = Recorder(events, report)  # the loop's thread only
         self.runs: list[Run] = []
-        self.parked: dict[int, Run] = {}
-        self._behind: dict[int, list[Run]] = {}  # parked run's seq -> runs waiting for its outputs
-        self._future: dict[int, int] = {}  # buffer id -> seq of the parked run that will write it
+        self._parking = Parking()  # under ``_lock``
         self.version = 0
         self._sleeping = False  # the loop waits on ``_cond``: what changes must notify it
         self.completed = 0
@@ -124,23 +115,17 @@ class Executor:
                 if self._sleeping:
                     self._cond.notify()
         if dead is not None:
-            self._fail_rest(run, Failure("IslandFailedError", dead))
+            fail_rest(self.table, run, Failure("IslandFailedError", dead))
 
     def resume(self, seq: int, pc: int) -> None:
         """The rest of a parked run takes this place in the order (every host of the island alike)."""
         with self._lock:
-            run = self.parked.pop(seq, None)
-            if run is None or run.pc != pc:
+            resumed = self._parking.resume(seq, pc)
+            if resumed is None:
                 log.error("island %d host %d: resume of fragment %d at op %d, which is not parked there", self.island,
                           self.host, seq, pc)
                 return
-            for buffer_id in [i for i, s in self._future.items() if s == seq]:
-                del self._future[buffer_id]
-            run.parked, run.resumed_at = False, pc
-            self.runs.append(run)
-            for waiting in self._behind.pop(seq, []):
-                waiting.parked = False
-                self.runs.append(waiting)
+            self.runs += resumed
             self._wake()
 
     def touch(self) -> None:
@@ -162,7 +147,7 @@ class Executor:
     def busy(self) -> int:
         """Runs admitted here and not finished (parked ones included)."""
         with self._lock:
-            return len(self.runs) + len(self.parked) + sum(len(rs) for rs in self._behind.values())
+            return len(self.runs) + self._parking.count()
 
     # -- the loop -----------------------------------------------------------------------------------------
     def _main(self) -> None:
@@ -193,18 +178,18 @@ class Executor:
                     break
             if finished:
                 self._finish(finished)
-            self._flush()
+            self._record.flush(finished, self.receiver.take_landed())
             if progressed:
                 continue
             until_expiry = self.receiver.expire()
             with self._lock:
                 if self.version == seen and not self._stopped:
                     self._sleeping = True
-                    self._cond.wait(timeout=self._next_deadline(until_expiry))
+                    self._cond.wait(timeout=next_deadline(self.runs, self.op_timeout, until_expiry))
                     self._sleeping = False
 
     def _finish(self, finished: list[Run]) -> None:
-        """Runs done in one pass: out of the list in one step, each reported (a group's once, by its last)."""
+        """Runs done in one pass: out of the list in one step (the pass's report says so)."""
         with self._lock:
             if len(finished) == 1:
                 self.runs.remove(finished[0])
@@ -212,29 +197,6 @@ class Executor:
                 gone = set(finished)
                 self.runs = [run for run in self.runs if run not in gone]
             self.completed += sum(run.calls for run in finished)
-        done = self._report.done
-        for run in finished:
-            tally = run.tally
-            if tally is None:
-                done.append([run.seq, run.busy_s, run.compile_s, run.longest_s])
-            elif tally.add(run):  # the last of its group: the group's place in the order is done
-                done.append([run.seq, tally.busy_s, tally.compile_s, tally.longest_s])
-            if self.events.enabled:
-                self.events.span(f"seq {run.seq}: {run.label}", "fragment", run.admitted, time.time(), seq=run.seq,
-                                 tenant=run.tenant, program=run.label, ops=len(run.ops),
-                                 busy_ms=round(run.busy_s * 1e3, 3))
-
-    def _flush(self) -> None:
-        self._report.landed.extend(self.receiver.take_landed())
-        if self._report:
-            report, self._report = self._report, Report()
-            self._report_to(report)
-
-    def _next_deadline(self, until_expiry: float) -> float:
-        waits = [r.waiting_since for r in self.runs if r.waiting_since is not None]
-        if not waits:
-            return min(1.0, until_expiry)
-        return max(0.001, min(1.0, until_expiry, min(waits) + self.op_timeout - time.monotonic()))
 
     def _advance(self, run: Run) -> bool:
         """Run what ``run`` can now; what it took of the island is measured by ``preemption`` (on a busy machine, not
@@ -263,45 +225,25 @@ class Executor:
         return progressed
 
     def _advance_calls(self, run: Run) -> bool:
-        """A group of one-computation calls back to back, each as ``_advance_ops`` would run it alone; what they
-        share is worked out once. A call whose input is missing splits the group there and waits as a run does."""
+        """A group of one-computation calls back to back (``run_calls``), what they share worked out once; a call
+        whose input is missing splits the group there and waits as a run does."""
         op = run.ops[0]
         start = time.perf_counter()
         compiled_before = run.compile_s
         try:
-            run_call = self.handlers.by_op[type(op)].launcher(run, op)
+            handler = self.handlers.by_op[type(op)]
+            run_call = handler.launcher(run, op)
         except Exception:  # noqa: BLE001 - the call itself will fail the same way, and say so, one by one
             run_call = None
         if run_call is None:
             return self._advance_ops(run)
-        table, tenant, frees = self.table, run.tenant, op.frees
-        lost = run.compile_s - compiled_before  # compiling, charged to the first call's island time only
-        progressed = False
-        while True:
-            try:
-                if not run_call(run):
-                    self._split(run)
-                    return self._advance_ops(run) or progressed
-            except Failed as exc:
-                self._fail_op(run, op, exc.failure)
-            except Exception as exc:  # an op's failure becomes its outputs' failure
-                self._fail_op(run, op, Failure(*to_wire(exc)))
-            now = time.perf_counter()
-            elapsed = now - start
-            start = now
-            run.busy_s += elapsed
-            ran = elapsed - lost
-            lost = 0.0
-            if ran > run.longest_s:
-                run.longest_s = ran
-            self.busy_s += elapsed
-            table.done_using(run.touched, run.ids(frees) if frees else (), tenant)
-            self.ops_run += 1
-            progressed = True
-            if not run.more:
-                run.pc = run.end
-                return True
-            run.next_call()
+        done, busy, ran = run_calls(run, op, run_call, handler, self.table, start, run.compile_s - compiled_before)
+        self.busy_s += busy
+        self.ops_run += ran
+        if done:
+            return True
+        self._split(run)
+        return self._advance_ops(run) or ran > 0
 
     def _advance_ops(self, run: Run) -> bool:
         progressed = False
@@ -325,15 +267,14 @@ class Executor:
                     if run.waiting_since is None:
                         run.waiting_since = now
                         if op.RECEIVES and not run.reported_blocked:
-                            run.reported_blocked = True
-                            self._report.blocked.append(run.seq)
+                            self._record.blocked(run)
                     if now - run.waiting_since < self.op_timeout:
                         return progressed
-                    self._fail_op(run, op, handler.waited_too_long(run, op))
+                    fail_op(handler, self.table, run, op, handler.waited_too_long(run, op))
             except Failed as exc:
-                self._fail_op(run, op, exc.failure)
+                fail_op(handler, self.table, run, op, exc.failure)
             except Exception as exc:  # an op's failure becomes its outputs' failure
-                self._fail_op(run, op, Failure(*to_wire(exc)))
+                fail_op(handler, self.table, run, op, Failure(*to_wire(exc)))
             elapsed = time.perf_counter() - start
             run.busy_s += elapsed
             if handler.computes:
@@ -342,7 +283,7 @@ class Executor:
                     run.longest_s = ran
             self.busy_s += elapsed
             if traced:
-                self._trace_op(run, op, handler.trace(op), wall, elapsed)
+                self._record.trace_op(run, op, handler.trace(op), wall, elapsed)
             touched = run.touched if run.touched is not None else run.touches(op)
             self.table.done_using(touched, run.ids(op.frees) if op.frees else (), run.tenant)
             run.pc += 1
@@ -364,95 +305,48 @@ class Executor:
     # -- parking (multi-host islands) ---------------------------------------------------------------------
     def _park(self, run: Run, op: Op) -> None:
         with self._lock:
-            run.parked = True
             self.runs.remove(run)
-            self.parked[run.seq] = run
-            for buffer_id in run.remaining_writes():
-                self._future[buffer_id] = run.seq
+            self._parking.park(run)
         self.handlers.by_op[type(op)].watch(run, op)
-        if not run.reported_blocked:
-            run.reported_blocked = True
-            self._report.blocked.append(run.seq)
+        self._record.blocked(run)
 
     def _park_behind(self, run: Run, op: Op) -> bool:
         """Park ``run`` behind the parked run that will write a value ``op`` is missing, if there is one."""
         with self._lock:
-            for buffer_id in run.ids(op.reads()):
-                producer = self._future.get(buffer_id)
-                if producer is not None and buffer_id not in self.table:
-                    run.parked = True
-                    self.runs.remove(run)
-                    self._behind.setdefault(producer, []).append(run)
-                    for written in run.remaining_writes():
-                        self._future.setdefault(written, producer)
-                    break
-            else:
+            producer = self._parking.producer(run.ids(op.reads()), self.table)
+            if producer is None:
                 return False
-        if not run.reported_blocked:  # it waits on another island too: it must not hold the window
-            run.reported_blocked = True
-            self._report.blocked.append(run.seq)
+            self.runs.remove(run)
+            self._parking.park_behind(run, producer)
+        self._record.blocked(run)  # it waits on another island too: it must not hold the window
         return True
 
-    # -- failures -----------------------------------------------------------------------------------------
-    def _fail_op(self, run: Run, op: Op, failure: Failure) -> None:
-        self.handlers.by_op[type(op)].fail(run, op, failure)
-        for buffer_id in run.ids(op.writes()):
-            try:
-                self.table.put(buffer_id, run.tenant, failure)
-            except Exception:  # another tenant's buffer: leave it exactly as it is
-                pass
-
-    def _fail_rest(self, run: Run, failure: Failure) -> None:
-        for part in (run, *run.split()):
-            for op in part.own_ops():
-                for buffer_id in part.ids(op.writes()):
-                    try:
-                        self.table.put(buffer_id, part.tenant, failure)
-                    except Exception:
-                        pass
-
+    # -- dying --------------------------------------------------------------------------------------------
     def die(self, reason: str) -> None:
         """This host can no longer run: fail everything admitted, and every wait from now on."""
         failure = Failure("IslandFailedError", reason)
         with self._lock:
             self.dead = reason
-            pending = self.runs + list(self.parked.values()) + [r for rs in self._behind.values() for r in rs]
-            self.runs, self.parked, self._behind = [], {}, {}
+            pending = self.runs + self._parking.take_all()
+            self.runs = []
         for run in pending:
-            self._fail_rest(run, failure)
+            fail_rest(self.table, run, failure)
         self.table.die(failure)
         self.touch()
-
-    def _trace_op(self, run: Run, op: Op, facts: dict, wall: float, elapsed: float) -> None:
-        if run.waiting_since is not None:
-            waited = time.monotonic() - run.waiting_since
-            self.events.span("wait for inputs", "wait", wall - waited, wall, seq=run.seq, op=op.KIND,
-                             tenant=run.tenant)
-        args = {"seq": run.seq, "fragment": run.fragment, "tenant": run.tenant, "program": run.label, **facts}
-        self.events.span(op.label(), op.KIND, wall, wall + elapsed, **args)
 
     # -- what a stuck client is told ----------------------------------------------------------------------
     def stalled(self, tenant: str) -> list[dict]:
         """The tenant's admitted fragments that have not finished, and what each waits for."""
-        out = []
         with self._lock:
-            runs = [r for r in self.runs + list(self.parked.values()) if r.tenant == tenant]
-        for run in runs:
-            if run.pc >= run.end:
-                continue
-            op = run.ops[run.pc]
-            missing = self.handlers.by_op[type(op)].missing(run, op)
-            since = run.waiting_since
-            out.append({"seq": run.seq, "program": run.label, "op": run.pc, "kind": op.KIND, "name": op.label(),
-                        "missing": missing, "parked": run.parked,
-                        "waiting_s": 0.0 if since is None else round(time.monotonic() - since, 3)})
-        return out
+            runs = [r for r in self.runs + list(self._parking.parked.values()) if r.tenant == tenant]
+        return stalled(runs, self.handlers.by_op)
 
     def stats(self) -> dict:
         """The host's execution counters: queue depth, parked runs, fragments completed, ops run, busy seconds (and
         ``uncharged_s``: runs' wall time not charged, other processes' and threads' time in it; ``runs_unmeasured``:
         runs charged their wall time, the threads' times unreadable), bytes."""
-        return {"queue_depth": len(self.runs) + len(self.parked), "parked": len(self.parked),
+        parked = len(self._parking.parked)
+        return {"queue_depth": len(self.runs) + parked, "parked": parked,
                 "completed": self.completed, "ops": self.ops_run, "busy_s": self.busy_s,
                 "uncharged_s": self.preemption.uncharged_s if self.preemption is not None else 0.0,
                 "runs_unmeasured": self.preemption.unmeasured if self.preemption is not None else 0,

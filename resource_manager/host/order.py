@@ -17,10 +17,10 @@ from typing import Protocol
 from pathways.errors import ClusterSuspendedError, PathwaysError
 from pathways.messages import Free
 from resource_manager.host.admission import Admission, Admitted
-from resource_manager.host.executor import Report
 from resource_manager.host.grants import Session
 from resource_manager.host.inbox import Inbox
 from resource_manager.host.preemption import gc_cpu_s
+from resource_manager.host.reports import Report
 from resource_manager.host.rows import Landed, encode
 from resource_manager.host.scheduler import Released, Scheduler
 

@@ -16,11 +16,8 @@ fragment took, compiling included (reported when it completes: a fragment that
 ran far beyond its estimate puts its tenant behind by what it really used, a
 debt its following fragments wait for in proportion), and the admission work
 its messages caused (``charge``). Estimates only decide how much goes in flight
-at once. They are kept per tenant and template, per op, learned from run times
-without compiling, up at once and down slowly, so cheap calls of one program
-never make another look cheap, and a program that turned long is not taken for
-cheap again on the strength of one quick run. A template never measured yet
-has at most one fragment of its tenant in flight.
+at once; they are learned per tenant and template (``resource_manager.host.costs``).
+A template never measured yet has at most one fragment of its tenant in flight.
 
 Virtual time. The island's virtual time is the lowest pass, counting measured
 time only, among tenants with work queued or in flight. A new tenant starts
@@ -52,33 +49,12 @@ by, so each tenant's is in proportion to its share, and a weight-1 tenant among
 1:2:4:8 is as close to its share in any stretch of time as the weight-8 one.
 
 A computation cannot be stopped once it runs, so a tenant's ``op_ms`` budget caps
-what follows instead, two ways (host 0 measures; compiling counts):
-
-* A program one of whose computations ran longer is refused from then on: its
-  later calls, those already queued included, are released as refusals that
-  name the budget, until the admin raises the budget above what it took.
-* The tenant is *throttled*: once one place of its in the order (a fragment, a
-  part, a group, compiling included) held the island longer than ``op_ms``
-  without a break, every later place of its, new programs included, waits
-  until the island time its weight allows has passed. After a place of ``t``
-  seconds, none is released for ``t * W / w`` seconds, ``w`` its weight and ``W``
-  the weights of the other tenants that used the island in the last ``RECENT_S``
-  seconds (0 if none did: a tenant alone on an island keeps it busy), and at
-  most one place of its is in flight, never grouped. So a throttled tenant gets
-  at most ``w / (w + W)`` of the island's time, whether or not the others use
-  theirs, and someone calling now and then waits for at most one of its places.
-  It holds no one else up: other tenants are released as before. It is
-  forgiven once ``FORGIVE_S`` seconds passed since its last place over the
-  budget and its hold ended, or at once when the admin raised ``op_ms`` above
-  the longest place it ran. A place whose hold ends while nothing else happens
-  on the island goes out when the host's thread for it asks (``wait_due``).
-
-A compile is bounded by the same rule rather than moved off the order: it
-runs where its fragment's place is, on every host of the island alike, so the
-order stays the same everywhere (gang scheduling needs every host to launch
-the same computations in the same order, and whether an executable is
-compiled already differs from host to host), and a tenant whose fresh programs
-each compile for long is held after the first like one whose programs run long.
+what follows instead, two ways: a program one of whose computations ran longer
+is refused from then on (``resource_manager.host.costs``), and a tenant one of
+whose places (compiling included) held the island longer is throttled to its
+weight's share of the island's time for a while (``resource_manager.host.throttle``).
+Each tenant's island time and idle time, as status shows them, are kept by
+``resource_manager.host.usage``.
 
 Calls of one program queued back to back are cheap to run and dear to order
 one by one: up to ``group`` calls of a tenant's measured template that waits
@@ -104,20 +80,18 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from pathways.errors import ResourceError, to_wire
 from pathways.ops import Template
 from resource_manager.host.admission import Admitted
-from resource_manager.host.buffers import Failure
+from resource_manager.host.costs import Costs
+from resource_manager.host.throttle import Throttles
+from resource_manager.host.usage import Usage
 
 FIRST_ESTIMATE_S = 1e-3  # what a fragment of a template never measured counts against the window
-RECENT_S = 10.0  # the window of the "recent" share that status shows while jobs run
-COSTS = 4096  # (tenant, template) costs kept, least recently used out first
 GROUP = 32  # the calls a running island's scheduler releases as one group, at most
-FORGIVE_S = 10.0  # a throttled tenant is forgiven this long after its last place over op_ms (its hold ended)
 NAMED = ("tenant_time_s", "tenant_time_recent_s", "fragments", "weights", "tenants")  # stats that name tenants
 
 
@@ -175,16 +149,6 @@ class _Flight:
     came: list[str] | None = None  # tenants that woke while it flew and started where it would end (by estimate)
 
 
-@dataclass(slots=True)
-class _Throttle:
-    """A tenant throttled for its op_ms budget: nothing of its is released before ``until`` (monotonic), ``took``
-    is the longest place of its that went over (seconds) and ``over`` when the last one ended."""
-
-    until: float
-    took: float
-    over: float
-
-
 class Scheduler:
     """Thread-safe: admitted messages and the executors' reports arrive on different threads."""
 
@@ -209,9 +173,10 @@ class Scheduler:
         self._queues: dict[str, deque[Admitted | _Rest]] = {}  # only tenants with something queued
         self._pass: dict[str, float] = {}  # island time charged (measured) / weight
         self._owed: dict[str, float] = {}  # the estimates of the tenant's fragments in flight / weight
-        self._cost: OrderedDict[tuple[str, Template | None], float] = OrderedDict()  # seconds per op
-        self._over_cap: OrderedDict[tuple[str, Template | None], float] = OrderedDict()  # its longest computation
-        self._throttled: dict[str, _Throttle] = {}  # one per tenant at most
+        self._costs = Costs()
+        self._throttles = Throttles(self._op_cap_ms)
+        self._throttled = self._throttles.tenants  # read here (one dict test per place), changed by the throttle only
+        self._usage = Usage()
         self._admitting: dict[str, tuple[float, int]] = {}  # admission seconds not charged yet, and their messages
         self._inflight: dict[int, _Flight] = {}
         self._blocked: dict[int, _Flight] = {}
@@ -219,11 +184,7 @@ class Scheduler:
         self._unmeasured: dict[str, int] = {}  # tenant -> its fragments in the window of templates never measured
         self._landed: dict[tuple[int, int], set[int]] = {}
         self._resumes: deque[Resume] = deque()
-        self._time: dict[str, float] = {}
-        self._recent: deque[tuple[int, dict[str, float]]] = deque()  # (second, tenant -> island time in it)
         self._fragments: dict[str, int] = {}
-        self._idle: dict[str, float] = {}  # tenant -> seconds it had nothing queued or in flight
-        self._idle_since: dict[str, float] = {}
 
     def set_weight(self, tenant: str, weight: float) -> None:
         """The tenant's weight, as the resource manager's registry holds it (finite and positive)."""
@@ -269,7 +230,7 @@ class Scheduler:
     def _charge(self, tenant: str, seconds: float) -> None:
         self._wake(tenant)
         self._pass[tenant] += seconds / self._weight(tenant)
-        self._account(tenant, seconds)
+        self._usage.account(tenant, seconds)
 
     def _admitted(self, tenant: str, messages: int) -> None:
         """``messages`` of the tenant's messages took their place in the order: charge their part of the admission
@@ -281,7 +242,7 @@ class Scheduler:
             self._admitting[tenant] = (pooled * (1 - messages / count), count - messages)
             pooled *= messages / count
         self._pass[tenant] += pooled / self._weight(tenant)
-        self._account(tenant, pooled)
+        self._usage.account(tenant, pooled)
 
     def _weight(self, tenant: str) -> float:
         return self._weights.get(tenant, 1.0)
@@ -297,9 +258,7 @@ class Scheduler:
         a weight-1 tenant would wait 14 times that among 1:2:4:8 if its pass said so), and tenants that came
         back with it and have nothing in flight yet do not pull the start of the next one back by their credit."""
         if not self._active(tenant):
-            since = self._idle_since.pop(tenant, None)
-            if since is not None:
-                self._idle[tenant] = self._idle.get(tenant, 0.0) + time.monotonic() - since
+            self._usage.woke(tenant)
             vtime = self._virtual_time()
             flying = {t: self._pass[t] + self._owed.get(t, 0.0) for t in self._pass if self._flying.get(t)}
             first = min(flying, key=flying.__getitem__, default=None)
@@ -317,11 +276,9 @@ class Scheduler:
         aside while it is held (its pass stands still then, and must not hold the clock back). Passes here count
         what was measured, not the estimates of what is still in flight: an estimate that was too high (a
         compile, a slow moment) must not move the clock that returning tenants start from."""
-        throttled = self._throttled
-        if throttled:
-            now = time.monotonic()
-            active = [p for t, p in self._pass.items()
-                      if self._active(t) and not (t in throttled and throttled[t].until > now)]
+        if self._throttled:
+            held = self._throttles.held(time.monotonic())
+            active = [p for t, p in self._pass.items() if self._active(t) and t not in held]
         else:
             active = [p for t, p in self._pass.items() if self._active(t)]
         if active:
@@ -344,46 +301,30 @@ class Scheduler:
         """Whether the head of the tenant's queue may go now: not while the tenant is throttled and held, nor while
         a fragment of a template it never had measured is in flight and the head is one too (unmeasured work must
         not fill the window)."""
-        if self._throttled and tenant in self._throttled and not self._may_go(tenant):
+        throttled = self._throttled
+        if throttled and tenant in throttled and not self._throttles.may_go(tenant, self._flying.get(tenant, 0)):
             return False
-        return not self._unmeasured.get(tenant) or self._cost_of(self._queues[tenant][0]) is not None
-
-    def _may_go(self, tenant: str) -> bool:
-        """A throttled tenant's next place may go once its hold ended and nothing of its is in flight; it is
-        forgiven (no longer throttled) once ``FORGIVE_S`` passed since its last place over the budget, or the admin
-        raised its op_ms above the longest place it ran."""
-        throttle, now = self._throttled[tenant], time.monotonic()
-        if now >= throttle.until and now - throttle.over >= FORGIVE_S or throttle.took * 1e3 <= self._op_cap_ms(tenant):
-            del self._throttled[tenant]
+        if not self._unmeasured.get(tenant):
             return True
-        return now >= throttle.until and not self._flying.get(tenant)
+        head = self._queues[tenant][0]
+        return self._costs.of(head.entry if isinstance(head, _Rest) else head) is not None
 
     def _throttle(self, tenant: str, busy: float, over: bool, now: float) -> None:
         """``tenant``'s place just took ``busy`` seconds of the island (``over`` its op_ms budget): hold its next
         one until its weight's share of the island time since allows it, against the others that used the island
         in the last ``RECENT_S`` seconds."""
-        recent = {t for _, bucket in self._recent for t in bucket} | {t for t in self._pass if self._active(t)}
+        recent = self._usage.recent_tenants() | {t for t in self._pass if self._active(t)}
         recent.discard(tenant)
         others = sum(self._weight(t) for t in recent)
-        until = now + busy * others / self._weight(tenant)
-        throttle = self._throttled.get(tenant)
-        if throttle is None:
-            throttle = self._throttled[tenant] = _Throttle(until, busy, now)
+        if self._throttles.hold(tenant, busy * others / self._weight(tenant), busy, over, now):
             self._pass[tenant] = max(self._pass[tenant], self._virtual_time())  # throttled: no credit to spend
-        throttle.until = max(throttle.until, until)
-        if over:
-            throttle.took, throttle.over = max(throttle.took, busy), now
         self._due.notify_all()
 
     def due(self) -> float | None:
         """When (``time.monotonic``) the first throttled tenant with work queued and nothing in flight may go again;
         None if there is none."""
         with self._lock:
-            return self._next_due()
-
-    def _next_due(self) -> float | None:
-        times = [th.until for t, th in self._throttled.items() if self._queues.get(t) and not self._flying.get(t)]
-        return min(times, default=None)
+            return self._throttles.next_due(self._queues, self._flying)
 
     def wait_due(self, timeout: float) -> Released:
         """Wait up to ``timeout`` seconds for a throttled tenant's hold to end while it has work queued; what that
@@ -394,7 +335,7 @@ class Scheduler:
             tried = False  # released nothing though a hold ended (the window is full): wait for a change
             while True:
                 now = time.monotonic()
-                due = self._next_due()
+                due = self._throttles.next_due(self._queues, self._flying)
                 if due is not None and due <= now and not tried:
                     released = self._release()
                     if released:
@@ -406,23 +347,11 @@ class Scheduler:
                 notified = self._due.wait(wake - now)
                 tried = tried and not notified
 
-    def _cost_of(self, item: Admitted | _Rest) -> float | None:
-        """Seconds per op of the item's template for its tenant; None if never measured. A message that runs
-        no computations (a put, a free, a refusal) costs nothing here."""
-        entry = item.entry if isinstance(item, _Rest) else item
-        if not entry.counts:
-            return 0.0
-        key = (entry.tenant, entry.template)
-        cost = self._cost.get(key)
-        if cost is not None:
-            self._cost.move_to_end(key)
-        return cost
-
     def _release(self) -> Released:
         """Resumes first, then what the window allows in pass order, as one batch for every host."""
         released: Released = [(self._next(), resume) for resume in self._resumes]
         self._resumes.clear()
-        queues, inflight, costs = self._queues, self._inflight, self._cost
+        queues, inflight, costs, over_cap = self._queues, self._inflight, self._costs.per_op, self._costs.over
         window, window_s = self.window, self.window_s
         while self._inflight_calls < window and (not inflight or self._inflight_s < window_s):
             span = self.part_s  # the island time one place of the tenant's may take, by its estimate
@@ -448,8 +377,8 @@ class Scheduler:
             entry = item.entry if rest else item
             seq = self._seq
             self._seq = seq + 1
-            if self._over_cap and not rest and item.counts and (tenant, item.template) in self._over_cap:
-                entry = self._refuse_over_cap(item)
+            if over_cap and not rest and item.counts and (tenant, item.template) in over_cap:
+                entry = self._costs.refuse(item, self._op_cap_ms(item.tenant), self.island)
             if not entry.counts:
                 released.append((seq, entry))
                 if self._admitting:
@@ -512,24 +441,6 @@ class Scheduler:
             del self._queues[tenant]
         return more
 
-    def _refuse_over_cap(self, entry: Admitted) -> Admitted:
-        """``entry`` refused for its tenant's op_ms budget (its outputs fail with the reason on every host), or as
-        it is if the admin raised the budget above what its computation took since."""
-        key = (entry.tenant, entry.template)
-        took, cap = self._over_cap[key], self._op_cap_ms(entry.tenant)
-        if took * 1e3 <= cap:
-            del self._over_cap[key]
-            return entry
-        template = entry.template
-        error = ResourceError(
-            f"over your op_ms budget: a computation of program {template.program!r} ran {took * 1e3:.0f} ms on island "
-            f"{self.island}, over the limit of {cap} ms, and a running computation cannot be stopped, so the program "
-            "is refused from now on (and your other work there is held to your share of the island's time for a "
-            "while); split the work into shorter computations (fewer loop iterations or layers per call), or ask "
-            "the cluster's admin to raise it (pathways tenants set NAME --budget op_ms=N)")
-        base = entry.request.base
-        return replace(entry, refusal=Failure(*to_wire(error)), fail_lo=base, fail_hi=base + template.n_values)
-
     # -- reports ------------------------------------------------------------------------------------------
     def completed(self, reports: list[list]) -> Released:
         """Host 0 reports (seq, island seconds[, seconds of them compiling[, its longest computation]]) for
@@ -545,22 +456,20 @@ class Scheduler:
                 if flight is None:
                     continue
                 tenant = flight.tenant
-                self._account(tenant, busy, second)
+                self._usage.account(tenant, busy, second)
                 used = busy / self._weights.get(tenant, 1.0)
                 self._pass[tenant] += used
                 if flight.came:
                     self._started_after(flight.came, used - flight.owed)
                 ran = busy - (rest[0] if rest else 0.0)
                 if ran > 0:  # a run that only compiled says nothing of what the next will take
-                    self._learn(flight.key, ran / max(flight.ops, 1))
+                    self._costs.learn(flight.key, ran / max(flight.ops, 1))
                 longest = rest[1] if len(rest) > 1 else 0.0
                 cap = caps.get(tenant)
                 if cap is None:
                     cap = caps[tenant] = self._op_cap_ms(tenant)
                 if longest * 1e3 > cap:
-                    self._over_cap[flight.key] = max(longest, self._over_cap.pop(flight.key, 0.0))
-                    while len(self._over_cap) > COSTS:
-                        self._over_cap.popitem(last=False)
+                    self._costs.ran_over(flight.key, longest)
                 over = busy * 1e3 > cap
                 if over or self._throttled and tenant in self._throttled:
                     self._throttle(tenant, busy, over, now)
@@ -575,27 +484,6 @@ class Scheduler:
         for tenant in tenants:
             if self._active(tenant):
                 self._pass[tenant] = max(self._pass[tenant] + error, min(self._pass[tenant], self._vtime))
-
-    def _learn(self, key: tuple[str, Template | None], per_op: float) -> None:
-        """A template's cost per op: up at once to what it just took, down slowly, so that work which turned
-        long is not taken for cheap again on the strength of one quick run."""
-        old = self._cost.get(key)
-        self._cost[key] = per_op if old is None or per_op > old else old + 0.2 * (per_op - old)
-        self._cost.move_to_end(key)
-        while len(self._cost) > COSTS:
-            self._cost.popitem(last=False)
-
-    def _account(self, tenant: str, seconds: float, second: int | None = None) -> None:
-        self._time[tenant] = self._time.get(tenant, 0.0) + seconds
-        if second is None:  # one bucket per second: bounded whatever a tenant's rate of fragments
-            second = int(time.monotonic())
-        recent = self._recent
-        if not recent or recent[-1][0] != second:
-            recent.append((second, {}))
-            while recent[0][0] < second - RECENT_S:
-                recent.popleft()
-        bucket = recent[-1][1]
-        bucket[tenant] = bucket.get(tenant, 0.0) + seconds
 
     def blocked(self, seqs: list[int]) -> Released:
         """Fragments waiting on another island's transfer leave the window, so islands never wait on
@@ -634,7 +522,7 @@ class Scheduler:
 
     def _maybe_idle(self, tenant: str) -> None:
         if not self._active(tenant):
-            self._idle_since.setdefault(tenant, time.monotonic())
+            self._usage.idle(tenant)
             if tenant in self._admitting:  # messages that took no place (merged, dropped): their work is charged now
                 self._admitted(tenant, self._admitting[tenant][1])
 
@@ -645,23 +533,17 @@ class Scheduler:
         ``idle_s``: seconds it had nothing queued or in flight, so that "backlogged" can be checked; ``throttled``
         for its op_ms budget, and ``held_s``: seconds until its next place may go)."""
         with self._lock:
-            horizon = time.monotonic() - RECENT_S
-            recent: dict[str, float] = {}
-            for second, bucket in self._recent:
-                if second >= horizon:
-                    for tenant, busy in bucket.items():
-                        recent[tenant] = recent.get(tenant, 0.0) + busy
+            recent = self._usage.recent()
             vtime = self._virtual_time()
             now = time.monotonic()
             tenants = {t: {"lag_s": (p - vtime) * self._weight(t), "queued": len(self._queues.get(t, ())),
                            "inflight": self._flying.get(t, 0),
-                           "idle_s": self._idle.get(t, 0.0) + now - self._idle_since.get(t, now),
-                           "throttled": t in self._throttled,
-                           "held_s": max(0.0, self._throttled[t].until - now) if t in self._throttled else 0.0}
+                           "idle_s": self._usage.idle_s(t, now), "throttled": t in self._throttled,
+                           "held_s": self._throttles.held_s(t, now)}
                        for t, p in self._pass.items()}
             return {"tenant_time_recent_s": recent, "island": self.island, "sequenced": self._seq,
                     "window": self.window, "window_s": self.window_s, "inflight_s": self._inflight_s,
                     "queued": sum(len(q) for q in self._queues.values()), "inflight": self._inflight_calls,
-                    "blocked": len(self._blocked), "parked": len(self._landed), "tenant_time_s": dict(self._time),
+                    "blocked": len(self._blocked), "parked": len(self._landed), "tenant_time_s": self._usage.time_s(),
                     "fragments": dict(self._fragments), "weights": dict(self._weights), "tenants": tenants,
                     "submit_calls": self._received[0], "messages": self._received[1]}

@@ -21,12 +21,13 @@ from resource_manager.host.buffer_pool import BufferPool
 from resource_manager.host.buffers import BufferTable
 from resource_manager.host.devices import LocalDevices
 from resource_manager.host.executables import ExecutableCache
-from resource_manager.host.executor import Executor, Report
+from resource_manager.host.executor import Executor
 from resource_manager.host.grants import Grants
 from resource_manager.host.handlers import Handlers
 from resource_manager.host.inbox import Inbox
 from resource_manager.host.order import IslandOrder, Uplink
 from resource_manager.host.receive import Receiver
+from resource_manager.host.reports import Report
 from resource_manager.host.scheduler import GROUP, Scheduler
 from resource_manager.host.transport.peers import Peers
 from resource_manager.host.uploads import Uploads

@@ -19,7 +19,7 @@ from resource_manager.host import wiring
 from resource_manager.host.admission import Admitted
 from resource_manager.host.buffers import Failure
 from resource_manager.host.devices import LocalDevices
-from resource_manager.host.executor import Report
+from resource_manager.host.reports import Report
 from resource_manager.host.rows import encode
 from resource_manager.host.scheduler import Continue
 from resource_manager.host.transport.peers import Peers

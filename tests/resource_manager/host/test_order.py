@@ -14,7 +14,7 @@ from pathways.messages import CLIENT_ID_BITS, Free
 from pathways.ops import Limits
 from resource_manager.host import wiring
 from resource_manager.host.devices import LocalDevices
-from resource_manager.host.executor import Report
+from resource_manager.host.reports import Report
 from resource_manager.host.rows import Landed, Message, decode_row
 from resource_manager.host.transport.peers import Peers
 

@@ -545,7 +545,7 @@ def test_the_recent_island_time_covers_the_last_ten_seconds_in_bounded_memory(mo
         scheduler.charge("b" if k % 4 == 0 else "a", 1e-3)
     recent = scheduler.stats()["tenant_time_recent_s"]
     assert abs(recent["a"] - 7.5) <= 0.8 and abs(recent["b"] - 2.5) <= 0.3, recent
-    assert len(scheduler._recent) <= 12
+    assert len(scheduler._usage._recent) <= 12
     assert scheduler.stats()["tenant_time_s"]["a"] == pytest.approx(15.0)
 
 

@@ -62,9 +62,15 @@ class VirtualSlice:
 
     def release(self) -> None:
         """Free the allocation; arrays on the slice stay valid until they are dropped."""
-        if not self.released and not self._session.closed:
-            self._session.request(lambda rid: Release(rid, self.key), "pw.release")
-            self._session.slices.pop(self.key, None)
+        session = self._session
+        if not self.released and not session.closed:
+            # What this client sent to the slice's island is admitted there before the slice is revoked: the
+            # revoke goes by the resource manager and could overtake a call made just before, which the island
+            # would then refuse, where arrays made on the slice must stay fetchable.
+            others = {isl.index for isl in session.islands if isl.index != self.island}
+            session.outboxes.drain(session.timeouts.op, skip=others | set(session.dead))
+            session.request(lambda rid: Release(rid, self.key), "pw.release")
+            session.slices.pop(self.key, None)
         self.released = True
 
     def __enter__(self) -> VirtualSlice:

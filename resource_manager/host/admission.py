@@ -36,7 +36,7 @@ from pathways.messages import (
     client_of,
     decode_request,
 )
-from pathways.ops import Exec, Limits, Template, TemplateCache, check_fits, declared_ops, declared_values
+from pathways.ops import Limits, Template, TemplateCache, check_fits, declared_ops, declared_values
 from resource_manager.host.buffers import Failure
 from resource_manager.host.executables import ExecutableCache
 from resource_manager.host.grants import Grants
@@ -279,7 +279,7 @@ class Admission:
             self.exes.add(tenant, exe_hash, blob)
         for exe in template.executables:
             if exe not in call.exes and not self.exes.has(tenant, exe):
-                name = next(op.name for op in template.ops if isinstance(op, Exec) and op.exe == exe)
+                name = next(op.label() for op in template.ops if exe in op.executables())
                 raise ProgramError(f"{name}: executable {exe[:12]}… was never sent to island "
                                    f"{self.limits.island} by your clients")
         if len(self._verified) >= VERIFIED:

@@ -22,7 +22,7 @@ from resource_manager.host.admission import Admitted
 from resource_manager.host.buffers import BufferTable, Failure
 from resource_manager.host.executables import ExecutableCache
 from resource_manager.host.executor import Executor
-from resource_manager.host.rows import Calls, Message, decode_row
+from resource_manager.host.rows import Grouped, Message, decode_row
 from resource_manager.host.run import Place, Run
 from resource_manager.host.scheduler import Continue, Group, Item, Resume
 
@@ -61,7 +61,7 @@ class Inbox:
                 item = row.item
                 if type(item) is Message:
                     items.append((row.seq, self._from_row(item)))
-                elif type(item) is Calls:
+                elif type(item) is Grouped:
                     items.append((row.seq, Group(tuple(self._from_row(message) for message in item.messages))))
                 else:  # Resume, Continue: as the scheduler released them
                     items.append((row.seq, item))

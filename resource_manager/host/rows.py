@@ -1,7 +1,7 @@
 """What host 0 of an island sends the island's other hosts, and what they send back: each row declared once.
 
 Host 0 orders the island's work (``order``); every other host runs the same order from ``Row``s: a client's
-``Message`` (which that host decodes itself), a group of them (``Calls``), the next part of a long call
+``Message`` (which that host decodes itself), a group of them (``Grouped``), the next part of a long call
 (``Continue``) or the rest of a parked one (``Resume``). Rows travel as one Ray actor call per batch, signed
 with the runtime key over ``signed_parts`` (every field, each row's kind and a group's count, so no other
 reading of the same values signs the same); hosts past 0 send ``Landed`` back when a parked receive's data
@@ -44,13 +44,13 @@ class Message:
 
 
 @dataclass(slots=True)  # as Message: made for every group a host past 0 runs
-class Calls:
+class Grouped:
     """A scheduler's group: calls of one template by one tenant, one place in the order."""
 
     messages: tuple[Message, ...]
 
 
-Item = Message | Calls | Resume | Continue
+Item = Message | Grouped | Resume | Continue
 
 
 @dataclass(slots=True)  # as Message: made for every row a host past 0 runs
@@ -105,7 +105,7 @@ def decode_row(row: tuple) -> Row:
     if kind == MSG:
         return Row(row[0], Message(*row[2]))
     if kind == GROUP:
-        return Row(row[0], Calls(tuple(Message(*message) for message in row[2])))
+        return Row(row[0], Grouped(tuple(Message(*message) for message in row[2])))
     if kind == RESUME:
         return Row(row[0], Resume(*row[2:]))
     if kind == PART:

@@ -9,7 +9,7 @@ from pathways.messages import CLIENT_ID_BITS, Call, decode_request
 from pathways.ops import Template
 from resource_manager.host.admission import Admitted
 from resource_manager.host.buffers import Failure
-from resource_manager.host.rows import Calls, Landed, Message, Row, decode_row, encode, signed_parts
+from resource_manager.host.rows import Grouped, Landed, Message, Row, decode_row, encode, signed_parts
 from resource_manager.host.scheduler import Continue, Group, Resume
 
 TEMPLATE = Template("p", 0, 1, {}, ()).encode()
@@ -35,7 +35,7 @@ def test_released_items_travel_as_plain_tuples_and_come_back_typed_one_row_each_
     wire = encode([(0, a), (1, Group((a, b))), (2, Resume(0, 3)), (3, Continue(0, 4, 8))])
     assert type(wire) is list and all(type(row) is tuple for row in wire)
     rows = [decode_row(row) for row in wire]
-    assert rows == [Row(0, Message.of(a)), Row(1, Calls((Message.of(a), Message.of(b)))), Row(2, Resume(0, 3)),
+    assert rows == [Row(0, Message.of(a)), Row(1, Grouped((Message.of(a), Message.of(b)))), Row(2, Resume(0, 3)),
                     Row(3, Continue(0, 4, 8))]
     with pytest.raises(ValueError, match="never sends"):
         decode_row((4, "shrug", 1))

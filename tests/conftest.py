@@ -38,11 +38,18 @@ import pathways as pw  # noqa: E402
 RAY_DAEMONS = ("raylet", "gcs_server")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    """Mark every test that needs the session's cluster (directly or through another fixture) as ``cluster``."""
+    """Mark every test that needs the session's cluster (directly or through another fixture) as ``cluster``.
+    The suite runs on two pytest-xdist workers (``-n 2 --dist loadgroup``, see pyproject.toml): the cluster tier,
+    and the tests that make OS users and open folders to them (``os_users``: the machine's users and folder modes
+    are one state for every process), go in one group that one worker runs in order, on one embedded cluster,
+    while the other worker runs the rest of the unit tier."""
     for item in items:
         if "cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.cluster)
+        if item.get_closest_marker("cluster") is not None or item.get_closest_marker("os_users") is not None:
+            item.add_marker(pytest.mark.xdist_group("serial"))
 
 
 def ray_daemons() -> list[str]:

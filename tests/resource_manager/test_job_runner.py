@@ -34,7 +34,7 @@ from resource_manager.jobs import MAX_ARCHIVE, Job, JobRunner
 from resource_manager.registry import Registry
 from resource_manager.tickets import Tickets
 
-pytestmark = pytest.mark.skipif(not is_root(), reason=NEEDS_ROOT)
+pytestmark = [pytest.mark.skipif(not is_root(), reason=NEEDS_ROOT), pytest.mark.os_users]
 ADMIN = "admin-secret"
 HOSTILE = Path(script("hostile_job.py"))
 VICTIM = textwrap.dedent("""

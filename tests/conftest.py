@@ -52,6 +52,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group("serial"))
 
 
+@pytest.hookimpl(tryfirst=True)  # before the test's fixtures: the cluster, OS users
+def pytest_runtest_setup(item):
+    """On a pytest-xdist worker of ``--dist loadgroup``: a serial test that did not get its group would run beside
+    the other worker's (each starting a cluster of its own, both making and removing OS users): fail it instead."""
+    if getattr(item.config.option, "loadgroup", False) and item.get_closest_marker("xdist_group") is not None \
+            and not item.nodeid.endswith("@serial"):
+        pytest.fail(f"pytest-xdist did not put this cluster-tier test in the serial group with pytest "
+                    f"{pytest.__version__}: install the [test] extra's pytest (below 9.2), or run with -n 0",
+                    pytrace=False)
+
+
 def ray_daemons() -> list[str]:
     """The Ray daemons this process started (directly or through its children) that still run."""
     out = []

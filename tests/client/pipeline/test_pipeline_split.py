@@ -12,7 +12,7 @@ import pytest
 
 import pathways as pw
 from client.pipeline import order, schedules
-from client.pipeline.runner import _task_fn
+from client.pipeline.planning import _task_fn
 from client.pipeline.split import split_step
 from client.pipeline.trace import trace_step
 

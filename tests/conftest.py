@@ -40,25 +40,38 @@ RAY_DAEMONS = ("raylet", "gcs_server")
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    """Mark every test that needs the session's cluster (directly or through another fixture) as ``cluster``.
-    The suite runs on two pytest-xdist workers (``-n 2 --dist loadgroup``, see pyproject.toml): the cluster tier,
-    and the tests that make OS users and open folders to them (``os_users``: the machine's users and folder modes
-    are one state for every process), go in one group that one worker runs in order, on one embedded cluster,
-    while the other worker runs the rest of the unit tier."""
+    """Mark every test that needs the session's cluster (directly or through another fixture) as ``cluster``, and
+    give the cluster tier its pytest-xdist groups (the suite runs ``-n 2 --dist loadgroup``, see pyproject.toml).
+    One worker runs the ``serial`` group in order: the tests of the session's one embedded cluster, and those that
+    make OS users or open folders to them (``os_users``: the machine's users and folder modes are one state for
+    every process). The tests that start clusters of their own (``own_cluster``) are the ``own`` group, which the
+    other worker runs beside it, with the rest of the unit tier."""
     for item in items:
         if "cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.cluster)
-        if item.get_closest_marker("cluster") is not None or item.get_closest_marker("os_users") is not None:
-            item.add_marker(pytest.mark.xdist_group("serial"))
+        group = xdist_group(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
+def xdist_group(item) -> str | None:
+    """The pytest-xdist group a test runs in (None: any worker, beside anything). A test that says it starts its
+    own cluster but also asks for the session's is in the serial group: it would start a second session cluster."""
+    if item.get_closest_marker("own_cluster") is not None and "cluster" not in getattr(item, "fixturenames", ()):
+        return "own"
+    if item.get_closest_marker("cluster") is not None or item.get_closest_marker("os_users") is not None:
+        return "serial"
+    return None
 
 
 @pytest.hookimpl(tryfirst=True)  # before the test's fixtures: the cluster, OS users
 def pytest_runtest_setup(item):
-    """On a pytest-xdist worker of ``--dist loadgroup``: a serial test that did not get its group would run beside
-    the other worker's (each starting a cluster of its own, both making and removing OS users): fail it instead."""
-    if getattr(item.config.option, "loadgroup", False) and item.get_closest_marker("xdist_group") is not None \
-            and not item.nodeid.endswith("@serial"):
-        pytest.fail(f"pytest-xdist did not put this cluster-tier test in the serial group with pytest "
+    """On a pytest-xdist worker of ``--dist loadgroup``: a cluster-tier test that did not get its group would run
+    beside the other worker's (each starting a session cluster of its own, both making and removing OS users):
+    fail it instead."""
+    group = xdist_group(item)
+    if getattr(item.config.option, "loadgroup", False) and group is not None and not item.nodeid.endswith(f"@{group}"):
+        pytest.fail(f"pytest-xdist did not put this cluster-tier test in its group ({group}) with pytest "
                     f"{pytest.__version__}: install the [test] extra's pytest (below 9.2), or run with -n 0",
                     pytrace=False)
 

@@ -195,6 +195,7 @@ def _kinds(events: list[dict]) -> list[tuple[str, int | None]]:
 
 
 @pytest.mark.cluster
+@pytest.mark.own_cluster
 def test_a_pod_killed_mid_step_is_redone_on_the_survivor_bitwise(scenario):
     ref, run = scenario["reference"], scenario["global_batch"]
     assert run["losses"] == ref["losses"]  # every step's loss, both shares, to the bit
@@ -207,6 +208,7 @@ def test_a_pod_killed_mid_step_is_redone_on_the_survivor_bitwise(scenario):
 
 
 @pytest.mark.cluster
+@pytest.mark.own_cluster
 def test_the_returned_pod_rejoins_with_bitwise_identical_state(scenario):
     ref, run = scenario["reference"], scenario["global_batch"]
     assert run["rejoined_all"], run["events"]
@@ -217,6 +219,7 @@ def test_the_returned_pod_rejoins_with_bitwise_identical_state(scenario):
 
 
 @pytest.mark.cluster
+@pytest.mark.own_cluster
 def test_a_new_pod_dying_while_it_receives_the_state_fails_its_rejoin_only(scenario):
     run = scenario["global_batch"]
     kinds = _kinds(run["events"])
@@ -231,6 +234,7 @@ def test_a_new_pod_dying_while_it_receives_the_state_fails_its_rejoin_only(scena
 
 
 @pytest.mark.cluster
+@pytest.mark.own_cluster
 def test_per_pod_batch_trains_the_survivors_share_at_a_scaled_learning_rate(scenario):
     ref, run = scenario["reference"], scenario["pod_batch"]
     assert run["shares"] == [[0, 1], [0], [0]] and run["lr_scale"] == [1.0, 0.5, 0.5]
@@ -239,6 +243,7 @@ def test_per_pod_batch_trains_the_survivors_share_at_a_scaled_learning_rate(scen
 
 
 @pytest.mark.cluster
+@pytest.mark.own_cluster
 def test_the_survivor_dying_too_is_a_clear_error_in_bounded_time(scenario):
     run = scenario["pod_batch"]
     assert run["survivor_died"].startswith("IslandFailedError"), run
@@ -251,5 +256,6 @@ def test_the_survivor_dying_too_is_a_clear_error_in_bounded_time(scenario):
 
 
 @pytest.mark.cluster
+@pytest.mark.own_cluster
 def test_the_elastic_client_speaks_only_the_protocol(scenario):
     assert scenario["done"]["ray_loaded"] is False  # every case above ran where `import ray` fails

@@ -164,6 +164,7 @@ def ray_job():
 
 
 @pytest.mark.cluster
+@pytest.mark.own_cluster
 def test_inside_a_ray_job_pw_init_starts_a_runtime_of_its_own_over_the_clusters_nodes(ray_job):
     r = ray_job
     a, b, nodes = r["a"], r["b"], r["cluster"]["nodes"]
@@ -179,6 +180,7 @@ def test_inside_a_ray_job_pw_init_starts_a_runtime_of_its_own_over_the_clusters_
 
 
 @pytest.mark.cluster
+@pytest.mark.own_cluster
 def test_a_ray_jobs_runtime_is_gone_when_its_client_ends_or_dies(ray_job):
     """Client A was killed (SIGKILL), client B ended as a script does: their resource managers, hosts and
     placement groups are gone, their launchers have exited, and `pathways up`'s runtime on the cluster stays."""
@@ -190,6 +192,7 @@ def test_a_ray_jobs_runtime_is_gone_when_its_client_ends_or_dies(ray_job):
 
 
 @pytest.mark.cluster
+@pytest.mark.own_cluster
 def test_a_ray_clusters_own_address_given_as_the_runtimes_says_what_to_do(ray_job):
     for key in ("ray_address_given", "ray_address_given_with_credential"):
         seen = ray_job[key]

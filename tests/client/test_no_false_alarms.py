@@ -17,7 +17,8 @@ import textwrap
 import pytest
 from suite_paths import ROOT
 
-pytestmark = pytest.mark.cluster  # each test starts its own embedded cluster, in a process of its own (both at once)
+# each test starts its own embedded cluster, in a process of its own (both at once)
+pytestmark = [pytest.mark.cluster, pytest.mark.own_cluster]
 FORK_WARNING = "os.fork() was called"
 
 

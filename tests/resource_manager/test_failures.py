@@ -11,7 +11,7 @@ import tempfile
 import pytest
 from suite_paths import script
 
-pytestmark = pytest.mark.cluster  # starts its own cluster
+pytestmark = [pytest.mark.cluster, pytest.mark.own_cluster]  # starts its own cluster
 
 
 

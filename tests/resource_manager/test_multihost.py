@@ -14,7 +14,7 @@ import pytest
 from conftest import assert_spmd_checks, await_line
 from suite_paths import script
 
-pytestmark = pytest.mark.cluster  # starts its own cluster
+pytestmark = [pytest.mark.cluster, pytest.mark.own_cluster]  # starts its own cluster
 
 
 

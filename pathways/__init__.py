@@ -51,13 +51,13 @@ _LAZY = {
     "transfer": "client.program",
     "status": "client.status",
 }
-_MODULES = {"elastic": "client.elastic", "nnx": "client.nnx", "pipeline": "client.pipeline"}
+_MODULES = {"elastic": "client.elastic", "nnx": "client.nnx", "pipeline": "client.pipeline", "zero": "client.zero"}
 
 __all__ = [
     "Admin", "Array", "ClusterStatus", "ClusterSuspendedError", "CompiledFunction", "IslandFailedError",
     "PathwaysError", "Program", "ProgramError", "ProgramFunction", "ResourceError", "TenantAccessError", "Timeouts",
     "Topology", "VirtualSlice", "WireFormatError", "admin", "elastic", "filter_jit", "init", "jit", "nnx", "pipeline",
-    "program", "put", "release", "shutdown", "slice", "status", "trace", "transfer",
+    "program", "put", "release", "shutdown", "slice", "status", "trace", "transfer", "zero",
 ]
 
 

@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from pathways import zero
+
 
 @dataclass(frozen=True)
 class OptimConfig:
@@ -48,22 +50,24 @@ def learning_rate(config: OptimConfig) -> optax.Schedule:
     return schedule
 
 
-def make_optimizer(config: OptimConfig = OptimConfig()) -> optax.GradientTransformation:
-    """clip_by_global_norm then optax.adafactor with PaLM's settings."""
+def _adafactor(config: OptimConfig) -> optax.GradientTransformation:
+    """optax.adafactor with PaLM's settings: every statistic is per parameter leaf."""
     schedule = learning_rate(config)
     weight_decay = (lambda count: schedule(count) ** 2) if config.lr_squared_weight_decay else None
-    return optax.chain(
-        optax.clip_by_global_norm(config.clip_norm),
-        optax.adafactor(
-            learning_rate=schedule,
-            decay_rate=config.decay_rate,
-            multiply_by_parameter_scale=True,
-            clipping_threshold=config.update_clip,
-            momentum=config.momentum,
-            weight_decay_rate=weight_decay,
-            factored=config.factored,
-        ),
+    return optax.adafactor(
+        learning_rate=schedule,
+        decay_rate=config.decay_rate,
+        multiply_by_parameter_scale=True,
+        clipping_threshold=config.update_clip,
+        momentum=config.momentum,
+        weight_decay_rate=weight_decay,
+        factored=config.factored,
     )
+
+
+def make_optimizer(config: OptimConfig = OptimConfig()) -> optax.GradientTransformation:
+    """clip_by_global_norm then optax.adafactor with PaLM's settings."""
+    return optax.chain(optax.clip_by_global_norm(config.clip_norm), _adafactor(config))
 
 
 def init_opt_state(params: optax.Params, config: OptimConfig = OptimConfig()) -> optax.OptState:
@@ -76,3 +80,15 @@ def apply_update(params: optax.Params, opt_state: optax.OptState, grads: optax.U
     """One optimizer step; pure, so ``jax.jit(apply_update, static_argnames="config")`` works."""
     updates, opt_state = make_optimizer(config).update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
+
+
+def apply_share_update(params: list, opt_state: optax.OptState, grads: list, norm: jax.Array,
+                       config: OptimConfig = OptimConfig()) -> tuple[list, optax.OptState]:
+    """One optimizer step on a share of the parameter leaves (ZeRO), given the global gradient norm.
+
+    ``opt_state`` is ``make_optimizer``'s state cut to the share (``pw.zero.shard_state``). The clipping uses
+    the norm of every pod's gradients, not the share's, so each leaf moves exactly as in ``apply_update``.
+    """
+    clipped = zero.clip(grads, norm, config.clip_norm)
+    updates, adafactor_state = _adafactor(config).update(clipped, opt_state[1], params)
+    return optax.apply_updates(params, updates), (opt_state[0], adafactor_state)

@@ -117,6 +117,19 @@ def _split(flat: jax.Array, treedef: Any, shapes: list[tuple[int, ...]]) -> Any:
     return jax.tree.unflatten(treedef, [part.reshape(shape) for part, shape in zip(parts, shapes)])
 
 
+def mean_grads(pod_grads: Sequence[dict], head_like: Any, group_like: list, layer_spec: Any) -> dict:
+    """The mean of the pods' packed gradient pieces in the params structure, summed in pod order (so every pod
+    that computes it gets the same bits)."""
+    merged = []
+    for g in pod_grads:
+        head = unpack(g["head"], head_like)
+        groups = [unpack_shards(flat, like, [layer_spec] * len(like)) for flat, like in zip(g["groups"], group_like)]
+        merged.append(model.merge_group_grads({"embed": head["embed"] + g["lookup"],
+                                               "final_norm": head["final_norm"], "groups": groups}))
+    n = len(merged)
+    return jax.tree.map(lambda *xs: functools.reduce(operator.add, xs) / n, *merged)
+
+
 @dataclass(frozen=True)
 class Functions:
     """The step's compiled pieces. They have no slice: each runs on the pod of its first argument."""
@@ -161,15 +174,7 @@ def functions(config: PalmConfig, optim_config: optim.OptimConfig, donate: bool 
     grads_specs = {"lookup": P(), "head": P(), "groups": [SHARDS] * config.layer_groups}
 
     def apply(params: dict, opt_state: Any, *pod_grads: dict) -> tuple:
-        merged = []
-        for g in pod_grads:
-            head = unpack(g["head"], head_like)
-            groups = [unpack_shards(flat, like, [layer_spec] * len(like))
-                      for flat, like in zip(g["groups"], group_like)]
-            merged.append(model.merge_group_grads({"embed": head["embed"] + g["lookup"],
-                                                   "final_norm": head["final_norm"], "groups": groups}))
-        n = len(merged)
-        grads = jax.tree.map(lambda *xs: functools.reduce(operator.add, xs) / n, *merged)
+        grads = mean_grads(pod_grads, head_like, group_like, layer_spec)
         new_params, new_state = optim.apply_update(params, opt_state, grads, optim_config)
         return new_params, new_state, optax.tree.norm(grads)
 
@@ -274,6 +279,11 @@ class TrainStep:
     def read(self, state: PodState, metrics: list, norms: list) -> tuple[np.ndarray, float]:
         """What a step returned, fetched: metric vectors [pods x METRICS] and the gradient norm."""
         return np.stack([m.fetch() for m in metrics]), float(norms[0].fetch())
+
+    def full_state(self, state: PodState) -> tuple[Any, Any]:
+        """The parameters and optimizer state a checkpoint holds, as pw.Array pytrees: the first pod's copy
+        (every pod holds the same bits)."""
+        return state.params[0], state.opt_state[0]
 
     # -- the program --------------------------------------------------------------------------------
     def _backward(self, params: dict, batch: dict) -> Iterator[tuple[Any, Any]]:

@@ -15,6 +15,10 @@ rolls back to the checkpoint about ``--rollback-steps`` earlier and skips
 parameters once to show it. ``--elastic`` runs the step through ``pw.elastic``:
 if a pod dies, the other computes its half of the batch too (the same bits),
 and the pod rejoins once its island has restarted; the log records each event.
+``--zero 1|2|3`` shares the optimizer state (1), and the gradients (2) and the
+parameters (3) too, over the pods instead of copying it on each
+(examples/palm/zero_step.py); a pod that dies then takes its share with it, so
+such a run stops and says which checkpoint to resume from.
 
 ``train()`` is the loop and takes an already-initialized session; ``main()``
 starts and stops the cluster around it.
@@ -44,6 +48,7 @@ from examples.palm.config import CONFIGS, PalmConfig
 from examples.palm.peak import pods_peak
 from examples.palm.spikes import SpikeDetector, SpikePolicy
 from examples.palm.step import METRICS, ElasticTrainStep, PodState, TrainStep
+from examples.palm.zero_step import ZeroTrainStep
 
 DEVICES_PER_POD = 4
 WARMUP_STEPS = 3  # steps that include compilation; left out of the step-time median
@@ -62,6 +67,7 @@ class TrainOptions:
     donate: bool = True  # each step donates the parameters and optimizer state it replaces
     elastic: bool = False  # go on when a pod fails, and take it back when its island restarts (no donation)
     elastic_policy: str = "global_batch"  # or "pod_batch": see pw.elastic
+    zero: int = 0  # ZeRO stage: 0 every pod holds the whole state; 1, 2, 3 see examples/palm/zero_step.py
     optimizer: optim.OptimConfig = optim.OptimConfig()
     eval_every: int = 50
     eval_batches: int = 2
@@ -85,6 +91,19 @@ class TrainOptions:
                              f"({self.pods} pod(s) x 2 data shards)")
         if self.elastic and self.pods < 2:
             raise ValueError("--elastic needs --pods 2: with one pod there is no survivor to go on with")
+        if self.zero not in pw.zero.STAGES:
+            raise ValueError(f"--zero must be one of {list(pw.zero.STAGES)}, got {self.zero}")
+        if self.zero and self.pods < 2:
+            raise ValueError(f"--zero {self.zero} shares the state over the pods: it needs --pods 2")
+        if self.zero and self.elastic:
+            raise ValueError(
+                f"--zero {self.zero} keeps each pod's share of the training state on that pod alone, so a pod that "
+                "dies takes its share with it and pw.elastic cannot go on without it: run --elastic with --zero 0 "
+                "(every pod holds the whole state), or --zero without --elastic and, after a failure, --resume "
+                "from the last checkpoint")
+        if self.zero and not self.overlap:
+            raise ValueError(f"--no-overlap orders the replicated step's exchange; --zero {self.zero} always sends "
+                             "each group's gradients as soon as they exist: leave out one of them")
         if self.elastic_policy not in ("global_batch", "pod_batch"):
             raise ValueError(f"--elastic-policy must be global_batch or pod_batch, got {self.elastic_policy!r}")
         for name in ("steps", "eval_every", "ckpt_every", "eval_batches"):
@@ -160,6 +179,8 @@ class Trainer:
         if opts.elastic:
             self.step_fn: TrainStep = ElasticTrainStep(self.config, opts.optimizer, self.slices, overlap=opts.overlap,
                                                        policy=opts.elastic_policy, on_event=self._elastic_event)
+        elif opts.zero:
+            self.step_fn = ZeroTrainStep(self.config, opts.optimizer, self.slices, opts.zero, donate=opts.donate)
         else:
             self.step_fn = TrainStep(self.config, opts.optimizer, self.slices, overlap=opts.overlap,
                                      donate=opts.donate)
@@ -210,8 +231,9 @@ class Trainer:
         return self._place(ckpt.params, ckpt.opt_state, ckpt.step), ckpt.step, ckpt.data_pos, True
 
     def save(self, state: PodState, step: int, data_pos: int) -> str:
-        """Checkpoint pod 0's copy (every pod holds the same bits) and drop ones too old to roll back to."""
-        params, opt_state = fetch_tree((state.params[0], state.opt_state[0]))
+        """Checkpoint the state (pod 0's copy, or every pod's share with --zero) and drop ones too old to roll
+        back to."""
+        params, opt_state = fetch_tree(self.step_fn.full_state(state))
         extra = {"spike_history": self.detector.state(), "run": {"id": self.start.run_id, **self.opts.run_config}}
         path = checkpoint.save(self.opts.ckpt_dir, checkpoint.Checkpoint(step, data_pos, params, opt_state, extra))
         horizon = step - self.opts.spike.rollback_steps - self.opts.ckpt_every
@@ -266,6 +288,10 @@ class Trainer:
                        desc=f"palm {opts.config} on {opts.pods} pod(s)", file=sys.stdout)
             try:
                 state, step, data_pos = self._loop(state, step, data_pos, bar)
+            except pw.IslandFailedError as exc:
+                if not opts.zero:
+                    raise
+                raise ShareLostError(self._share_lost(exc)) from exc
             finally:
                 bar.close()
             self.result.steps = step
@@ -278,6 +304,16 @@ class Trainer:
         if opts.plot:
             logs.plot_losses(opts.log_path, os.path.join(opts.out, "loss.png"))
         return self.result
+
+    def _share_lost(self, exc: Exception) -> str:
+        """What to tell the user when a pod failed under --zero: its share of the state is gone."""
+        newest = checkpoint.latest(self.opts.ckpt_dir)
+        self.log.write("share_lost", error=str(exc)[:500], checkpoint=newest)
+        where = (f"restore the last checkpoint, {newest}, with the same command plus --resume"
+                 if newest else "no checkpoint was written yet: start the run again")
+        return (f"a pod failed ({exc}); with --zero {self.opts.zero} each pod held its own share of the training "
+                f"state, and that share died with it, so the run cannot go on: {where} (or run with --zero 0 "
+                "--elastic to survive a pod's failure)")
 
     def _reads_state(self, step: int) -> bool:
         """Whether the state after ``step`` updates is checkpointed or evaluated once its step lands."""
@@ -369,6 +405,10 @@ class Trainer:
                        eval_loss=result.eval_losses[-1][1] if result.eval_losses else None)
 
 
+class ShareLostError(RuntimeError):
+    """A pod failed in a --zero run: its share of the training state is gone; the message names the checkpoint."""
+
+
 def _jsonable(value: Any) -> Any:
     if dataclasses.is_dataclass(value):
         return {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
@@ -425,6 +465,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--elastic", action="store_true",
                    help="go on when a pod fails (the survivor computes its half of the batch too) and take it back "
                         "when its island restarts; never donates")
+    p.add_argument("--zero", type=int, default=d.zero, choices=pw.zero.STAGES,
+                   help="ZeRO over the pods: 1 shares the optimizer state, 2 also reduce-scatters the gradients, "
+                        "3 also shares the parameters (gathered group by group); 0 copies everything on each pod")
     p.add_argument("--elastic-policy", default=d.elastic_policy, choices=("global_batch", "pod_batch"),
                    help="while a pod is out: keep the global batch (bitwise the same run) or keep the per-pod "
                         "batch and scale the learning rate by the live fraction")
@@ -465,7 +508,7 @@ def parse_args(argv: list[str] | None = None) -> TrainOptions:
     try:
         return TrainOptions(
             config=a.config, pods=a.pods, steps=a.steps, batch=a.batch, seed=a.seed, overlap=not a.no_overlap,
-            donate=not a.no_donate, elastic=a.elastic, elastic_policy=a.elastic_policy,
+            donate=not a.no_donate, elastic=a.elastic, elastic_policy=a.elastic_policy, zero=a.zero,
             optimizer=dataclasses.replace(d.optimizer, peak_lr=a.lr, const_steps=a.const_steps),
             eval_every=a.eval_every, eval_batches=a.eval_batches,
             out=a.out or os.path.join("runs", f"palm_{a.config}_{a.pods}pod"), ckpt_every=a.ckpt_every,
@@ -483,7 +526,8 @@ def report(opts: TrainOptions, result: TrainResult) -> str:
              else f"peak: unknown ({result.peak_source})",
              f"model: {opts.config}, {config.n_params():,} params, {config.flops_per_token():.3g} FLOPs/token "
              f"(6N + 12LHQT); {opts.pods} pod(s), global batch {opts.batch} x {config.seq_len} tokens, "
-             f"{'overlapped' if opts.overlap else 'post-backward'} gradient exchange"]
+             f"{'overlapped' if opts.overlap else 'post-backward'} gradient exchange"
+             + (f", ZeRO stage {opts.zero}" if opts.zero else "")]
     if result.losses:
         lines.append(f"train loss: {result.losses[0]:.3f} (first) -> {result.losses[-1]:.3f} (last)")
     if result.eval_losses:
@@ -510,6 +554,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"cluster up in {time.perf_counter() - started:.1f} s", flush=True)
     try:
         result = train(opts, start)
+    except ShareLostError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     finally:
         pw.shutdown()
     print(report(opts, result))

@@ -1,0 +1,150 @@
+"""PaLM's two-pod step with ZeRO stages 1-3 (tiny config, the session's 2-island cluster): the same losses and
+parameters as the replicated step, one set of bits on every pod, the bytes each stage sends, and a run whose pod
+fails stops and resumes from its checkpoint."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from conftest import host_stats, lower_graph
+
+import pathways as pw
+from examples.palm import data, logs, model, optim
+from examples.palm.config import CONFIGS
+from examples.palm.step import TrainStep
+from examples.palm.train import ShareLostError, TrainOptions, fetch_tree, parse_args, train
+from examples.palm.zero_step import ZeroTrainStep
+
+TINY = CONFIGS["tiny"]
+OPT = optim.OptimConfig()
+BATCH = 8
+STEPS = 2
+
+
+@pytest.fixture(scope="module")
+def slices(cluster):
+    pods = [pw.slice((2, 2), ("data", "model"), island=i) for i in range(2)]
+    yield pods
+    for s in pods:
+        s.release()
+
+
+@pytest.fixture(scope="module")
+def host_state() -> tuple:
+    params = jax.jit(model.init_params, static_argnums=0)(TINY, jax.random.key(0))
+    return params, optim.init_opt_state(params, OPT)
+
+
+def _bytes_out(session) -> int:
+    return sum(host_stats(session, i)["bytes_out"] for i in (0, 1))
+
+
+def _run(session, step: TrainStep, host_state: tuple) -> tuple:
+    """STEPS steps: (state, losses, bytes sent by both pods during the last step)."""
+    state, losses = step.put_state(*host_state), []
+    for i in range(STEPS):
+        before = _bytes_out(session)
+        state, metrics, norms = step(state, data.batch(i, 0, BATCH, TINY.seq_len))
+        losses.append([m.fetch()[0] for m in metrics])
+        for x in jax.tree.leaves((state.params, norms)):  # every send of the step has landed
+            x.block_until_ready()
+        sent = _bytes_out(session) - before
+    return state, np.array(losses), sent
+
+
+def _bits(leaves) -> list[bytes]:
+    return [np.asarray(x).tobytes() for x in leaves]
+
+
+def test_every_stage_trains_as_the_replicated_step_with_one_set_of_bits(cluster, slices, host_state):
+    replicated = TrainStep(TINY, OPT, slices)
+    ref, ref_losses, ref_sent = _run(cluster, replicated, host_state)
+    ref_params, ref_opt = (jax.tree.leaves(t) for t in fetch_tree(replicated.full_state(ref)))
+    param_bytes = sum(x.nbytes for x in ref_params)
+    assert ref_sent >= 2 * param_bytes  # stage 0: each pod sends all its gradients
+    sent = {}
+    for stage in (1, 2, 3):
+        step = ZeroTrainStep(TINY, OPT, slices, stage)
+        state, losses, sent[stage] = _run(cluster, step, host_state)
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-6, err_msg=f"stage {stage}")
+        params, opt_state = (jax.tree.leaves(t) for t in fetch_tree(step.full_state(state)))
+        for got, want in zip(params + opt_state, ref_params + ref_opt):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=f"stage {stage}")
+        assert _bits(params) != _bits(jax.tree.leaves(host_state[0]))  # it did train
+        owned = [step.layout.part.owned(p) for p in range(2)]
+        assert all(len(jax.tree.leaves(s)) < len(jax.tree.leaves(ref_opt)) for s in state.opt_state)
+        if stage < 3:  # both pods hold every parameter: the bits each owner computed
+            pods = [jax.tree.leaves(fetch_tree(p)) for p in state.params]
+            assert _bits(pods[0]) == _bits(pods[1]) == _bits(params)
+        else:  # each pod holds its own leaves only
+            assert [len(p) for p in state.params] == [len(o) for o in owned]
+            assert [p[0].slice.island for p in state.params] == [0, 1]
+    # what crossed the network in one step: stage 1 adds the updated shares to the whole exchange; stage 2 sends
+    # half the gradients and the shares; stage 3 half the gradients and each share about twice (forward, backward)
+    assert 1.3 * ref_sent < sent[1] < 1.7 * ref_sent, (sent, ref_sent)
+    assert 0.85 * ref_sent < sent[2] < 1.15 * ref_sent, (sent, ref_sent)
+    assert 1.1 * ref_sent < sent[3] < 1.7 * ref_sent, (sent, ref_sent)
+
+
+def test_stage3_sends_each_group_one_group_ahead_of_where_it_is_read(slices, host_state):
+    step = ZeroTrainStep(TINY, OPT, slices, 3)
+    state = step.put_state(*host_state)
+    graph = step.program.graph(state.params, state.opt_state, step.put_batch(data.batch(0, 0, BATCH, TINY.seq_len)))
+    for fragment in lower_graph(graph).fragments.values():  # both pods alike
+        ops = [(op.KIND, getattr(op, "name", "")) for op in fragment.ops]
+        f0, f1, b1, b0 = [i for i, (_, name) in enumerate(ops) if name.startswith(("stage_forward", "stage_backward"))]
+        sends = [i for i, (kind, _) in enumerate(ops) if kind == "send"]
+        recvs = [i for i, (kind, _) in enumerate(ops) if kind == "recv"]
+        assert any(i < f0 for i in sends) and any(f0 < i < f1 for i in recvs)  # group 1 travels under group 0
+        assert any(f1 < i < b1 for i in sends) and any(b1 < i < b0 for i in recvs)  # group 0, again, under 1's
+        assert not any(f1 < i < b1 for i in recvs)  # the last group's gathered copy is kept for its backward
+
+
+def _opts(tmp_path, name: str, **kw) -> TrainOptions:
+    base = dict(config="tiny", pods=2, batch=BATCH, steps=3, ckpt_every=2, eval_every=1000, eval_batches=1,
+                out=str(tmp_path / name), peak_flops=1e11, progress=False, plot=False, zero=3)
+    return TrainOptions(**{**base, **kw})
+
+
+def _ckpt_leaves(path: str) -> list[np.ndarray]:
+    with np.load(path) as z:
+        return [z[k] for k in sorted(z.files) if k != "__meta__"]
+
+
+def test_a_zero_run_whose_pod_fails_stops_and_resumes_from_its_checkpoint(cluster, tmp_path, monkeypatch):
+    straight = train(_opts(tmp_path, "straight"))
+    reads = {"n": 0}
+    read = ZeroTrainStep.read
+
+    def failing_read(self, state, metrics, norms):
+        reads["n"] += 1
+        if reads["n"] == 3:  # where a dead pod's failure reaches the loop: reading its step's results
+            raise pw.IslandFailedError("island 1 failed: its host stopped answering")
+        return read(self, state, metrics, norms)
+
+    monkeypatch.setattr(ZeroTrainStep, "read", failing_read)
+    with pytest.raises(ShareLostError) as lost:
+        train(_opts(tmp_path, "failed"))
+    said = str(lost.value)
+    assert "share" in said and "ckpt_00000002.npz" in said and "--resume" in said, said
+    assert [e["checkpoint"] for e in logs.read(str(tmp_path / "failed" / "log.jsonl"))
+            if e["event"] == "share_lost"] == [str(tmp_path / "failed" / "checkpoints" / "ckpt_00000002.npz")]
+    monkeypatch.undo()
+    resumed = train(_opts(tmp_path, "failed", resume=True))
+    assert resumed.steps == straight.steps == 3 and resumed.losses == straight.losses[2:]
+    assert all(np.array_equal(a, b) for a, b in zip(_ckpt_leaves(straight.final_checkpoint),
+                                                     _ckpt_leaves(resumed.final_checkpoint)))
+
+
+def test_zero_refuses_what_it_cannot_keep(capsys):
+    assert parse_args(["--zero", "2"]).zero == 2
+    for argv, said in ((["--zero", "1", "--elastic"], "takes its share with it"),
+                       (["--zero", "3", "--pods", "1"], "needs --pods 2"),
+                       (["--zero", "2", "--no-overlap"], "leave out one of them"),
+                       (["--zero", "4"], "invalid choice")):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        assert said in capsys.readouterr().err
+    with pytest.raises(ValueError, match="1, 2 or 3"):
+        ZeroTrainStep(TINY, OPT, [], 0)

@@ -82,7 +82,8 @@ class Array(LocalArrayMethods):
         session open and its island not failed since it was made, its slice not released."""
         session = self._session
         return (self._donated is None and not session.closed and not self.slice.released
-                and not session.dead and (self._value is not None or session.epoch(self.slice.island) == self.epoch))
+                and not session.islands.dead
+                and (self._value is not None or session.epoch(self.slice.island) == self.epoch))
 
     # -- what is known without the value ----------------------------------------------------------
     @property
@@ -131,7 +132,7 @@ class Array(LocalArrayMethods):
                 "need before pw.shutdown() (np.asarray(x), jax.device_get(tree)); a value fetched before stays "
                 "readable, and pw.put copies it into a new session")
         island = self.slice.island
-        if island in self._session.dead:
+        if island in self._session.islands.dead:
             self._session.refresh(island)  # it may have restarted meanwhile, with empty buffers
         if self._value is None and self._session.epoch(island) != self.epoch:
             raise IslandFailedError(f"{self._describe()} was lost: island {self.slice.island} restarted after it "

@@ -140,7 +140,7 @@ def check_sizes(program: Program, session: Session) -> None:
     for node in program.nodes:
         for value in node.outputs:
             check_fits(value.aval(), spec_of(spec_to_wire(value.spec)), value.slice.desc(),
-                       session.limits(value.slice.island),
+                       session.islands.limits(value.slice.island, session.topology),
                        f"{node.name} in program {program.name!r} (output {value.describe()})")
 
 
@@ -172,7 +172,7 @@ def _send(session: Session, traced: Traced, leaves: list) -> Any:
     base = session.mint(lowered.n_values)
     input_ids = tuple([a.id for a in inputs])
     for island, fragment in lowered.fragments.items():
-        sent = session.sent_exes[island]
+        sent = session.islands.sent_exes[island]
         exes = {h: b for h, b in fragment.exes.items() if h not in sent} if fragment.exes.keys() - sent else {}
         session.submit(island, Call(fragment.encoded, base, input_ids, exes, tuple(session.frees.take(island))))
         if exes:

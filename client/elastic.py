@@ -46,11 +46,8 @@ import jax
 import numpy as np
 
 from client.array import Array, put
-from client.fingerprint import fingerprint, probe
-from client.host_values import broadcast_specs
-from client.jit import jit
-from client.program import ProgramFunction, transfer
-from client.session import current
+from client.elastic_pods import Pods
+from client.elastic_programs import StepPrograms
 from client.slices import VirtualSlice
 from pathways.errors import IslandFailedError, ProgramError
 
@@ -204,18 +201,10 @@ class DataParallel:
         self.batch_specs = batch_specs
         self.on_event = on_event
         self.events: list[Event] = []
-        self._grads, self._update = grads, update
-        self._step_program = ProgramFunction(self._body, name=name)
-        self._copy_program = ProgramFunction(self._copy, name=f"{name}_rejoin")
-        self._warm_program = ProgramFunction(self._warm_up, name=f"{name}_warm_up")
-        self._probe: Any = None  # per state layout (``start``): pw.jit functions that read every leaf
-        self._fingerprint: Any = None
+        self._programs = StepPrograms(slices, grads, update, batch_specs, name)
+        self._pods = Pods(slices)
         self._base: tuple[int, dict[int, Any]] | None = None  # the latest landed step and its state per pod
         self._inflight: deque[Pending] = deque()
-        self._active: tuple[int, ...] = ()
-        self._epochs: dict[int, int] = {}  # pod -> its island's epoch when it received the state
-        self._lost: dict[int, int] = {}  # pod -> its island's epoch when it was lost
-        self._returning: dict[int, tuple[int, Future]] = {}  # pod -> (its island's epoch, its warm-up landing)
         self._last_batch: Any = None  # what a warm-up computes on
         self._next = 0
         self._gone: str | None = None  # why the state is lost, once every pod holding it failed
@@ -224,12 +213,12 @@ class DataParallel:
     @property
     def pods(self) -> tuple[int, ...]:
         """The pods training now."""
-        return self._active
+        return self._pods.active
 
     @property
     def lost(self) -> tuple[int, ...]:
         """The pods out of the step, waiting for their islands to restart."""
-        return tuple(sorted(self._lost))
+        return tuple(sorted(self._pods.lost))
 
     def start(self, state: Any, specs: Any = None, step: int = 0) -> None:
         """Place ``state`` (a pytree of host values) on every live pod as the state after ``step`` updates,
@@ -239,23 +228,17 @@ class DataParallel:
         Raises:
             IslandFailedError: no pod's island is alive.
         """
-        session = current()
         for pending in self._inflight:
             pending.dropped = True
         self._inflight.clear()
-        spec_tree = jax.tree.unflatten(jax.tree.structure(state), broadcast_specs(specs, state,
-                                                                                  "pw.elastic start: specs"))
-        self._probe = jit(probe, in_specs=(spec_tree,), name="state_ready")
-        self._fingerprint = jit(fingerprint, in_specs=(spec_tree,), name="state_fingerprint")
-        live = [p for p in range(len(self.slices)) if self._alive(p)]
+        spec_tree = self._programs.start(state, specs)
+        live = [p for p in range(len(self.slices)) if self._pods.alive(p)]
         if not live:
             raise IslandFailedError(f"pw.elastic start: none of the pods' islands "
                                     f"{[s.island for s in self.slices]} is alive")
         states = {p: put(state, self.slices[p], spec_tree) for p in live}
-        self._epochs = {p: session.epoch(self.slices[p].island) for p in live}
-        self._lost = {p: session.epoch(self.slices[p].island) for p in range(len(self.slices)) if p not in live}
-        self._base, self._active, self._next, self._gone = (step, states), tuple(live), step, None
-        self._returning = {}
+        self._pods.start(live)
+        self._base, self._next, self._gone = (step, states), step, None
 
     def submit(self, batch: Any, transform: Callable | None = None) -> Pending:
         """Dispatch the next step on ``batch`` (a pytree of host arrays whose leading dimension, the global
@@ -269,11 +252,7 @@ class DataParallel:
                 it, so a step that runs again applies it again), e.g. to edit parameters.
         """
         self._check_started()
-        sizes = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in jax.tree.leaves(batch)}
-        n = len(self.slices)
-        if len(sizes) != 1 or None in sizes or next(iter(sizes)) % n:
-            raise ProgramError(f"pw.elastic: every leaf of the batch needs the same leading dimension, divisible "
-                               f"by the {n} pods; got leading dimensions {sorted(map(str, sizes))}")
+        self._programs.check_batch(batch)
         self._last_batch = batch
         self._take_back_returned()
         self._next += 1
@@ -316,54 +295,19 @@ class DataParallel:
         deadline = time.monotonic() + timeout
         while True:
             self._take_back_returned()
-            if not self._lost or time.monotonic() >= deadline:
-                return not self._lost
+            if not self._pods.lost or time.monotonic() >= deadline:
+                return not self._pods.lost
             time.sleep(min(RETURN_POLL_S, max(0.0, deadline - time.monotonic())))
 
     # -- the step program --------------------------------------------------------------------------------
-    def _body(self, states: list, batches: list, plan: Plan, transform: Callable | None) -> tuple:
-        by_pod = dict(zip(plan.pods, states))
-        if transform is not None:
-            by_pod = {p: transform(s) for p, s in by_pod.items()}
-        grads, metrics = [], []
-        for (_, pod), batch in zip(plan.shares, batches):
-            g, m = self._grads(by_pod[pod], batch)
-            grads.append(g)
-            metrics.append(m)
-        new, aux, ready = [], [], []
-        for pod in plan.pods:
-            state, extra = self._update(by_pod[pod], [transfer(g, self.slices[pod]) for g in grads], plan.lr_scale)
-            new.append(state)
-            aux.append(extra)
-            ready.append(self._probe(state))
-        return new, metrics, aux, ready
-
-    def _copy(self, state: Any, pod: int) -> tuple:
-        moved = transfer(state, self.slices[pod])
-        return moved, self._fingerprint(state), self._fingerprint(moved)
-
-    def _warm_up(self, state: Any, batch: Any, pod: int, parts: int, lr_scale: float) -> tuple:
-        """What ``pod`` will run once it rejoins, on a copy of a landed state and one share, results dropped:
-        the receive, ``grads``, ``update`` of ``parts`` gradients at ``lr_scale``, the probe, the fingerprint
-        (and the source's fingerprint, which the rejoin compares with)."""
-        moved = transfer(state, self.slices[pod])
-        grads, _ = self._grads(moved, batch)
-        new, _ = self._update(moved, [grads] * parts, lr_scale)
-        return self._probe(new), self._fingerprint(moved), self._fingerprint(state)
-
     def _dispatch(self, pending: Pending, states: dict[int, Any]) -> None:
-        step_plan = plan(self._active, len(self.slices), self.policy)
-        batches = [self._share(pending.batch, share, pod) for share, pod in step_plan.shares]
-        new, metrics, aux, ready = self._step_program([states[p] for p in step_plan.pods], batches, step_plan,
-                                                      pending.transform)
+        step_plan = plan(self._pods.active, len(self.slices), self.policy)
+        batches = [self._programs.share(pending.batch, share, pod) for share, pod in step_plan.shares]
+        new, metrics, aux, ready = self._programs.step([states[p] for p in step_plan.pods], batches, step_plan,
+                                                       pending.transform)
         pending.plan, pending.attempts = step_plan, pending.attempts + 1
         pending.states, pending.ready = dict(zip(step_plan.pods, new)), dict(zip(step_plan.pods, ready))
         pending.metrics, pending.aux = metrics, aux[0]
-
-    def _share(self, batch: Any, share: int, pod: int) -> Any:
-        rows = jax.tree.leaves(batch)[0].shape[0] // len(self.slices)
-        part = jax.tree.map(lambda x: np.asarray(x)[share * rows:(share + 1) * rows], batch)
-        return put(part, self.slices[pod], self.batch_specs)
 
     def _latest(self, before: Pending | None = None) -> dict[int, Any]:
         """The state per pod after the last step dispatched before ``before`` (or the landed one)."""
@@ -406,8 +350,8 @@ class DataParallel:
         """Continue on the pods that still hold the latest landed state: run every step in flight again."""
         while True:
             step, states = self._base
-            holders = [p for p in self._active if self._holds_state(p)]
-            lost = [p for p in self._active if p not in holders]
+            holders = [p for p in self._pods.active if self._pods.holds_state(p)]
+            lost = [p for p in self._pods.active if p not in holders]
             if not lost:  # every pod is there: not a pod failure (an island alive but stuck, say)
                 raise error
             self._lose(lost, error)
@@ -431,111 +375,81 @@ class DataParallel:
             return
 
     def _lose(self, pods: list[int], error: Exception) -> None:
-        for pod in pods:  # the instance that held the state: any later restart of its island is taken back
-            self._lost[pod] = self._epochs[pod]
-        self._active = tuple(p for p in self._active if p not in pods)
+        self._pods.lose(pods)
         for pod in pods:
             self._emit("pod_lost", pod, f"pod {pod} (island {self.slices[pod].island}) failed: {error}")
-
-    def _alive(self, pod: int) -> bool:
-        try:
-            current().check_islands(frozenset({self.slices[pod].island}))
-            return True
-        except IslandFailedError:
-            return False
-
-    def _holds_state(self, pod: int) -> bool:
-        """Whether ``pod`` is alive and has not restarted since it received the state (a restart empties it)."""
-        return self._holds_island(pod, self._epochs.get(pod))
-
-    def _holds_island(self, pod: int, epoch: int | None) -> bool:
-        """Whether ``pod`` is alive and its island is still the instance of restart ``epoch``."""
-        return self._alive(pod) and current().epoch(self.slices[pod].island) == epoch
 
     # -- taking pods back ---------------------------------------------------------------------------------
     def _take_back_returned(self) -> None:
         """Warm up every lost pod whose island has restarted since it was lost; rejoin, at this step boundary,
         every pod whose warm-up has landed."""
-        if not self._lost:
+        if not self._pods.lost:
             return
-        session = current()
-        for pod, epoch in list(self._lost.items()):
-            island = self.slices[pod].island
-            if (pod not in self._returning and session.refresh(island) and session.epoch(island) > epoch
-                    and self._alive(pod)):
-                self._warm(pod)
-        ready = []
-        for pod in sorted(p for p, (_, landing) in self._returning.items() if landing.done()):
-            epoch, landing = self._returning.pop(pod)
-            error = landing.exception()
-            if error is None:
-                ready.append(pod)
-            elif not (isinstance(error, IslandFailedError) and self._holds_island(pod, epoch)):
-                self._lost[pod] = epoch  # the instance that failed: a later restart is taken back again
-                self._emit("rejoin_failed", pod, f"pod {pod} failed while warming up ({error}); nothing of it is "
-                                                 "used, and it rejoins once its island restarts again")
-            # else a survivor failed under the warm-up: the pod warms up again from the survivors' state
+        for pod in self._pods.back():
+            self._warm(pod)
+        ready, failed = self._pods.warmed()
+        for pod, error in failed:
+            self._emit("rejoin_failed", pod, f"pod {pod} failed while warming up ({error}); nothing of it is "
+                                             "used, and it rejoins once its island restarts again")
         if not ready:
             return
         while self._inflight:  # the state a pod receives is a landed one
             self._land_next()
         for pod in ready:
-            if pod in self._lost:
+            if pod in self._pods.lost:
                 self._rejoin(pod)
 
     def _warm(self, pod: int) -> None:
-        """Start ``pod``'s warm-up (``_warm_up``) and a thread that waits for it, and return at once."""
-        epoch = current().epoch(self.slices[pod].island)
+        """Start ``pod``'s warm-up (``StepPrograms.warm_up``) and a thread that waits for it, and return at
+        once."""
+        epoch = self._pods.epoch(pod)
         landing: Future = Future()
         if self._last_batch is None:  # nothing to warm up on yet: the first step compiles
             landing.set_result(None)
         else:
             _, states = self._base
-            joint = plan((*self._active, pod), len(self.slices), self.policy)
-            share = self._share(self._last_batch, pod, pod)
+            joint = plan((*self._pods.active, pod), len(self.slices), self.policy)
+            share = self._programs.share(self._last_batch, pod, pod)
             try:
-                outputs = self._warm_program(states[min(states)], share, pod, len(joint.shares), joint.lr_scale)
+                outputs = self._programs.warm_up(states[min(states)], share, pod, len(joint.shares),
+                                                 joint.lr_scale)
             except IslandFailedError as exc:
                 landing.set_exception(exc)
             else:  # a thread waits for it, so that the survivors need not
                 threading.Thread(target=_land_into, args=(outputs, landing), name="pw-elastic-warm-up",
                                  daemon=True).start()
-        self._returning[pod] = (epoch, landing)
+        self._pods.warming(pod, epoch, landing)
         self._emit("returned", pod, f"pod {pod}'s island is back (restart {epoch}); it warms up while pods "
-                                    f"{list(self._active)} go on")
+                                    f"{list(self._pods.active)} go on")
 
     def _rejoin(self, pod: int) -> None:
-        session = current()
-        island = self.slices[pod].island
-        epoch = session.epoch(island)
+        epoch = self._pods.epoch(pod)
         step, states = self._base
         source = min(states)
         started = time.monotonic()
         try:
-            moved, want, got = self._copy_program(states[source], pod)
+            moved, want, got = self._programs.copy(states[source], pod)
             self._emit("rejoining", pod, f"pod {pod} receives the state of step {step} from pod {source}")
             want, got = want.fetch(), got.fetch()
         except IslandFailedError as exc:
-            if not self._holds_state(source):  # the source failed: the survivors' rules apply
+            if not self._pods.holds_state(source):  # the source failed: the survivors' rules apply
                 self._recover(exc)
-                if self._holds_island(pod, epoch):
+                if self._pods.holds_island(pod, epoch):
                     return  # the pod is fine: it warms up again from the survivors' state
-            self._lost[pod] = epoch  # the instance that failed: a later restart is taken back again
+            self._pods.failed_again(pod, epoch)
             self._emit("rejoin_failed", pod, f"pod {pod} failed while receiving the state from pod {source} "
                                              f"({exc}); nothing of it is used, and it rejoins once its island "
                                              f"restarts again")
             return
         if not np.array_equal(want, got):
-            self._lost[pod] = epoch
+            self._pods.failed_again(pod, epoch)
             self._emit("rejoin_failed", pod, f"the state pod {pod} received from pod {source} differs from the "
                                              f"source's (fingerprints of {int(np.sum(want != got))} of "
                                              f"{want.size} leaves differ); it is not used")
             return
         _settle(moved)
         states[pod] = moved
-        self._epochs[pod] = epoch
-        del self._lost[pod]
-        self._active = tuple(sorted((*self._active, pod)))
+        self._pods.rejoined(pod, epoch)
         self._emit("rejoined", pod, f"pod {pod} rejoined at step {step} with the state of pod {source} "
                                     f"(copied and checked in {time.monotonic() - started:.2f} s)")
 
@@ -547,7 +461,7 @@ class DataParallel:
             raise ProgramError("pw.elastic: call DataParallel.start(state, specs) before training")
 
     def _emit(self, kind: str, pod: int | None, detail: str) -> None:
-        event = Event(kind, pod, self._base[0], self._active, detail)
+        event = Event(kind, pod, self._base[0], self._pods.active, detail)
         self.events.append(event)
         (log.warning if kind in ("pod_lost", "rejoin_failed") else log.info)("pw.elastic: %s", detail)
         if self.on_event is not None:

@@ -59,7 +59,7 @@ def trace(path: str | os.PathLike) -> Iterator[None]:
         path: where to write the Chrome trace (JSON), when the block ends (also when it raises).
     """
     session = current()
-    hosts = [(isl.index, h) for isl in session.islands if isl.index not in session.dead
+    hosts = [(isl.index, h) for isl in session.islands if isl.index not in session.islands.dead
              for h in range(len(isl.hosts))]
     offsets = clock_offsets(session, hosts)
     session.wait([session.ask(i, h, lambda rid: TraceStart(rid)) for i, h in hosts],

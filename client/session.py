@@ -17,10 +17,11 @@ from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from client import attach, waiting
+from client.islands import Islands
 from client.link import Link, LinkClosed, expect_role
 from client.outbox import Outboxes
 from client.runtime import (
@@ -39,12 +40,10 @@ from pathways.errors import ClusterSuspendedError, IslandFailedError, PathwaysEr
 from pathways.events import EventLog
 from pathways.messages import CLIENT_ID_BITS, Call, Free
 from pathways.names import CREDENTIAL_ENV, JOB_ENV, TENANT_ENV, TICKET_FD_ENV
-from pathways.ops import Limits
-from pathways.requests import Close, HostStats, Open, Position, Quiesced, Ready, Renew, Stalled, Suspect, Usage, Watch
+from pathways.requests import Close, HostStats, Position, Quiesced, Renew, Stalled, Suspect, Usage, Watch
 from pathways.topology import Topology
 
 RENEW_S = 5.0  # how often the session is renewed (and islands' restarts learned)
-RPC_GRACE_S = 5.0  # a host's answer may take this long beyond the wait it enforces
 STOP_SENDING_S = 2.0  # a suspend gives attached clients 5 s to say they stopped sending: calls under way, then
 DRAIN_S = 2.5  # what they hold
 log = logging.getLogger(__name__)
@@ -55,24 +54,13 @@ def credential_file(tenant: str) -> Path:
     return home() / "credentials" / tenant
 
 
-@dataclass
-class IslandClient:
-    """What a client knows of one island: its index, its hosts (their client addresses), its epoch (restart
-    count), and whether the resource manager says it is healthy."""
-
-    index: int
-    hosts: list[dict]
-    epoch: int
-    healthy: bool = True
-    links: dict[int, Link] = field(default_factory=dict)
-
-
 class Session:
     """A client's session: attached to the runtime at ``address``, as ``tenant``.
 
-    It holds what every other client module needs: the links to the resource manager and the islands' hosts
-    (renewed when an island restarts), the buffer ids this client mints, the outboxes that carry its messages
-    to each island in order, the batcher that frees dropped arrays, and its event log for ``pw.trace``.
+    It holds what every other client module needs: the link to the resource manager, the island table with the
+    links to the islands' hosts (``client.islands``, renewed when an island restarts), the buffer ids this
+    client mints, the outboxes that carry its messages to each island in order, the batcher that frees dropped
+    arrays, and its event log for ``pw.trace``.
     """
 
     def __init__(self, address: str, tenant: str, timeouts: Timeouts, credential: str | None = None,
@@ -84,38 +72,25 @@ class Session:
         self.embedded = embedded
         self.closed = False
         self.gate = Gate()  # before the first link: its reader may report the link broken at once
-        rm = Link(address, 0, None, expect_role(None, "rm"), "the resource manager", self._rm_broken,
-                  timeout=timeouts.start if embedded else 5.0)
-        self.runtime = rm.identity.runtime
-        rm.call(lambda rid: Ready(rid), timeouts.start)
-        job = os.environ.get(JOB_ENV) or None
-        reply = rm.call(lambda rid: Open(rid, tenant, None if ticket else credential, ticket, os.getpid(), job),
-                        timeouts.start)
-        rm.conn.upgrade(reply["client"], reply["key"])
-        self.rm = rm
+        self.rm, reply = attach.open_session(address, tenant, timeouts, credential, ticket, embedded is not None,
+                                             self._rm_broken)
+        self.runtime = self.rm.identity.runtime
         self.client_id: int = reply["client"]
         self._key: bytes = reply["key"]
         self.tenant: str = reply["tenant"]
         self.weight: float = reply["weight"]
         self.budgets: dict = reply["budgets"]
         self.topology = Topology.from_wire(reply["topology"])
-        self._lock = threading.Lock()
-        self.islands = [IslandClient(i["index"], i["hosts"], i["epoch"], i["healthy"]) for i in reply["islands"]]
-        self.dead: dict[int, str] = {}  # islands seen failed, and why
-        for info in reply["islands"]:
-            if not info["healthy"]:
-                self.dead[info["index"]] = info["reason"] or "unhealthy"
+        self.islands = Islands(reply["islands"])
         self._next_id = 1
         self._id_lock = threading.Lock()
-        self.sent_exes: list[set[str]] = [set() for _ in self.islands]
         self.slices: dict[str, Any] = {}
         self.outboxes = Outboxes(self, len(self.islands))
         self.frees = FreeBatcher(self)
         self.events = EventLog()
         self._stop = threading.Event()
         self._renewed = time.monotonic()
-        self._renewer = threading.Thread(target=self._renew_loop, name="pathways-renew", daemon=True)
-        self._renewer.start()
+        threading.Thread(target=self._renew_loop, name="pathways-renew", daemon=True).start()
         threading.Thread(target=self._watch_loop, name="pathways-watch", daemon=True).start()
 
     # -- ids ------------------------------------------------------------------------------------------------
@@ -199,7 +174,7 @@ class Session:
         tell the resource manager this client is quiet."""
         finished = self.gate.close("suspending", STOP_SENDING_S)
         self.frees.flush()
-        drained = self.outboxes.drain(DRAIN_S, skip=set(self.dead))
+        drained = self.outboxes.drain(DRAIN_S, skip=set(self.islands.dead))
         self.outboxes.pause()
         if not finished or not drained:
             log.warning("the cluster is being suspended and this client could not finish sending in time; what it "
@@ -212,39 +187,19 @@ class Session:
     def _reattach(self) -> bool:
         """The suspended runtime's resource manager went away: connect to its address again (a resume on a new
         cluster serves this session's key there) until it answers or ``timeouts.reattach`` passes."""
-        deadline = time.monotonic() + self.timeouts.reattach
-        while not self._stop.wait(1.0):
-            try:
-                rm = Link(self.address, self.client_id, self._key, expect_role(None, "rm"), "the resource manager",
-                          self._rm_broken, timeout=5.0)
-            except PathwaysError:
-                if time.monotonic() >= deadline:
-                    break
-                continue
+        rm = attach.reattach(self.address, self.client_id, self._key, self.timeouts.reattach, self._stop,
+                             self._rm_broken)
+        if rm is not None:
             self.rm, self.runtime = rm, rm.identity.runtime
-            log.warning("reattached to the runtime at %s", self.address)
-            return True
-        if not self._stop.is_set():
-            log.error("the suspended runtime at %s was not back within %.0fs (pw.Timeouts.reattach); this session is "
-                      "over: call pw.init() again", self.address, self.timeouts.reattach)
-        return False
+        return rm is not None
 
     def _resumed(self, islands: list[dict]) -> None:
         """The cluster runs again, with new hosts: connect to them, send again from where each island's order
         stands, and let calls go on."""
         for info in islands:
             k = info["index"]
-            with self._lock:
-                old = self.islands[k]
-                for link in old.links.values():
-                    link.close()
-                self.islands[k] = IslandClient(k, info["hosts"], info["epoch"], info["healthy"])
-                self.sent_exes[k] = set()  # the restored hosts may lack some; sending one again costs little
-                self.dead.pop(k, None)
-            if info["epoch"] != old.epoch or not info["healthy"]:
+            if not self.islands.resumed(info):
                 self.outboxes.restart(k)  # another island than the one saved: this client's buffers are gone
-                if not info["healthy"]:
-                    self.dead[k] = info["reason"] or "unhealthy"
                 continue
             try:
                 position = self._connect(k, 0).call(lambda rid: Position(rid), self.timeouts.start)
@@ -261,48 +216,28 @@ class Session:
         """What the resource manager says of the islands now: an island whose epoch grew restarted, with new
         hosts (this client's buffers there are lost); one marked unhealthy is dead here too."""
         for info in islands:
-            k = info["index"]
-            with self._lock:
-                island = self.islands[k]
-                restarted = info["epoch"] > island.epoch
-                if restarted:
-                    for link in island.links.values():
-                        link.close()
-                    self.islands[k] = IslandClient(k, info["hosts"], info["epoch"], info["healthy"])
-                    self.sent_exes[k] = set()  # the new hosts have none of the executables
-                    self.outboxes.restart(k)
-                else:
-                    island.healthy = info["healthy"]
-            if info["healthy"] and (restarted or k in self.dead) and not self._links_broken(k):
-                self.dead.pop(k, None)
-            elif not info["healthy"]:
-                self.dead.setdefault(k, info["reason"] or "unhealthy")
-
-    def _links_broken(self, island: int) -> bool:
-        return any(not link.alive for link in self.islands[island].links.values())
+            restarted = self.islands.restarted(info)
+            if restarted:
+                self.outboxes.restart(info["index"])
+            self.islands.judge(info, restarted)
 
     # -- islands --------------------------------------------------------------------------------------------
     def link(self, island: int, host: int) -> Link:
         """The connection to host ``host`` of ``island`` (made on first use); ClusterSuspendedError while the
         cluster is suspended."""
-        with self._lock:
-            found = self.islands[island].links.get(host)
-            if found is not None and found.alive:
-                return found
+        found = self.islands.live_link(island, host)
+        if found is not None:
+            return found
         if not self.gate.open:
             raise suspended_error(f"reaching island {island}", self.gate.phase)
         return self._connect(island, host)
 
     def _connect(self, island: int, host: int) -> Link:
-        with self._lock:
-            isl = self.islands[island]
-            found = isl.links.get(host)
-            if found is not None and found.alive:
-                return found
-            info = isl.hosts[host]
-            epoch = isl.epoch
-        if island in self.dead and not self.refresh(island):
-            raise IslandFailedError(f"island {island} has failed ({self.dead[island]}); it has not restarted yet")
+        found = self.islands.live_link(island, host)
+        if found is not None:
+            return found
+        info, epoch = self.islands.target(island, host)
+        self._check_serving(island)
         try:
             made = Link(info["client"], self.client_id, self._key,
                         expect_role(self.runtime, "host", island, host, epoch), f"island {island} host {host}",
@@ -310,22 +245,17 @@ class Session:
         except PathwaysError as exc:
             self.island_failed(island, f"host {host}: {exc}")
             raise IslandFailedError(f"island {island} host {host} cannot be reached: {exc}") from None
-        with self._lock:
-            if self.islands[island].epoch != epoch:
-                made.close()
-                raise IslandFailedError(f"island {island} restarted while this client connected to it")
-            old = self.islands[island].links.get(host)
-            if old is not None and old.alive:
-                made.close()
-                return old
-            self.islands[island].links[host] = made
-        return made
+        return self.islands.adopt(island, host, epoch, made)
 
     def submit(self, island: int, payload: bytes | Call) -> None:
         """Hand one message to an island's scheduler without waiting for it (in order; see ``client.outbox``)."""
-        if island in self.dead and not self.refresh(island):
-            raise IslandFailedError(f"island {island} has failed ({self.dead[island]}); it has not restarted yet")
+        self._check_serving(island)
         self.outboxes.put(island, payload)
+
+    def _check_serving(self, island: int) -> None:
+        if island in self.islands.dead and not self.refresh(island):
+            raise IslandFailedError(f"island {island} has failed ({self.islands.dead[island]}); it has not "
+                                    "restarted yet")
 
     def upload(self, island: int, host: int, payload: bytes, data: Sequence[Any]) -> None:
         """Send a put's value (this host's shards) straight to the host that will hold them."""
@@ -358,12 +288,6 @@ class Session:
         """How many times ``island`` had restarted when this client last looked."""
         return self.islands[island].epoch
 
-    def limits(self, island: int) -> Limits:
-        """What a host of ``island`` can hold (from the resource manager): arrays larger are refused here."""
-        hosts = self.islands[island].hosts
-        return Limits(island, self.topology.islands, self.topology.hosts_per_island, self.topology.devices_per_host,
-                      min(h["memory_bytes"] for h in hosts), min(h["device_bytes"] for h in hosts))
-
     def refresh(self, island: int) -> bool:
         """Whether ``island`` serves (it has not failed, or restarted since): asks the resource manager."""
         self._renewed = time.monotonic()
@@ -371,14 +295,14 @@ class Session:
             self.update_islands(self.rm.call(lambda rid: Renew(rid), self.timeouts.poll * 10)["islands"])
         except PathwaysError:
             return False
-        return island not in self.dead
+        return island not in self.islands.dead
 
     def island_failed(self, island: int, reason: str) -> None:
         """This client saw ``island`` fail: stop sending to it, and ask the resource manager to check it. (While
         the cluster is suspended its hosts stop on purpose.)"""
-        if island in self.dead or self.closed or not self.gate.open:
+        if island in self.islands.dead or self.closed or not self.gate.open:
             return
-        self.dead[island] = reason
+        self.islands.dead[island] = reason
         try:
             self.rm.start(lambda rid: Suspect(rid, island, reason[:500]))
         except PathwaysError:
@@ -393,76 +317,28 @@ class Session:
         if time.monotonic() - self._renewed > self.timeouts.poll:
             self.refresh(-1)
         for i in sorted(islands):
-            if i in self.dead and not self.refresh(i):
-                raise IslandFailedError(f"island {i} has failed: {self.dead[i]}")
+            if i in self.islands.dead and not self.refresh(i):
+                raise IslandFailedError(f"island {i} has failed: {self.islands.dead[i]}")
 
     # -- waiting ------------------------------------------------------------------------------------------
     def wait(self, futures: list[Future], islands: frozenset[int], timeout: float | None, what: str) -> list:
         """The futures' results, raising IslandFailedError as soon as an island they depend on fails, or after
-        ``timeout`` (the hosts enforce it themselves; this side allows ``RPC_GRACE_S`` more)."""
-        from concurrent.futures import FIRST_EXCEPTION
-        from concurrent.futures import wait as wait_all
-
-        from pathways.names import FETCH_TIMED_OUT
-
+        ``timeout`` (the fetch timeout by default; see ``client.waiting``)."""
         timeout = self.timeouts.fetch if timeout is None else timeout
-        deadline = time.monotonic() + timeout + RPC_GRACE_S
-        pending = set(futures)
-        while pending:
-            remaining = deadline - time.monotonic()
-            done, pending = wait_all(pending, timeout=max(0.0, min(self.timeouts.poll, remaining)),
-                                     return_when=FIRST_EXCEPTION)
-            if any(f.exception() is not None for f in done):
-                break
-            if pending and time.monotonic() >= deadline:
-                raise self._timed_out(what, timeout, islands)
-            if pending:
-                self.check_islands(islands)
-        out = []
-        for future in futures:
-            if not future.done():
-                continue
-            exc = future.exception()
-            if isinstance(exc, (LinkClosed, ClusterSuspendedError)):
-                self.check_islands(islands)
-                raise IslandFailedError(f"{what} failed: {exc}") from None
-            if exc is not None:
-                raise exc.with_traceback(None)
-            value = future.result()
-            if isinstance(value, str) and value == FETCH_TIMED_OUT:
-                raise self._timed_out(what, timeout, islands)
-            out.append(value)
-        return out
+        return waiting.results(futures, timeout, self.timeouts.poll, what, lambda: self.check_islands(islands),
+                               lambda: self._timed_out(what, timeout, islands))
 
     def _timed_out(self, what: str, timeout: float, islands: frozenset[int]) -> IslandFailedError:
         """The timeout error, saying where this tenant's unfinished fragments on ``islands`` stopped."""
-        futures = [self.ask(i, h, lambda rid: Stalled(rid)) for i in sorted(islands)
+        reports = [self.ask(i, h, lambda rid: Stalled(rid)) for i in sorted(islands)
                    for h in range(len(self.islands[i].hosts))]
-        lines = []
-        for future in futures:
-            try:
-                report = future.result(timeout=self.timeouts.poll)
-            except Exception:  # the host is gone or slow: the health check says so, not this message
-                continue
-            where = f"island {report['island']} host {report['host']}"
-            for run in report["runs"]:
-                missing = run["missing"]
-                waits = (f"waits for {missing[0]}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
-                         if missing else "is running")
-                op = run["kind"] if run["name"] == run["kind"] else f"{run['kind']} {run['name']}"
-                lines.append(f"{where}: program {run['program']!r} (sequence {run['seq']}) at op {run['op']} ({op}) "
-                             f"{waits}")
-            if report["held"]:
-                lines.append(f"{where}: {report['held']} messages wait for an earlier one to arrive")
-        detail = "; ".join(lines[:8]) + (f"; and {len(lines) - 8} more" if len(lines) > 8 else "")
-        return IslandFailedError(f"{what} timed out after {timeout:.1f}s; islands {sorted(islands)} are alive but "
-                                 f"did not produce it (overloaded or stuck)" + (f": {detail}" if detail else ""))
+        return waiting.timed_out(what, timeout, islands, reports, self.timeouts.poll)
 
     def flush(self, timeout: float | None = None) -> None:
         """Send every message this client still holds back (see ``client.outbox``), waiting at most
         ``timeout`` seconds (the op timeout by default) for them to leave."""
         self.frees.flush()
-        if not self.outboxes.drain(self.timeouts.op if timeout is None else timeout, skip=set(self.dead)):
+        if not self.outboxes.drain(self.timeouts.op if timeout is None else timeout, skip=set(self.islands.dead)):
             raise IslandFailedError("the islands did not take this client's messages in time")
 
     # -- teardown -----------------------------------------------------------------------------------------
@@ -474,18 +350,16 @@ class Session:
             return
         self.frees.stop()
         for island in self.islands:
-            if island.index not in self.dead:
+            if island.index not in self.islands.dead:
                 self.outboxes.put(island.index, Free((), everything=True).encode())
-        self.outboxes.close(self.timeouts.op, skip=set(self.dead))
+        self.outboxes.close(self.timeouts.op, skip=set(self.islands.dead))
         self.closed = True
         self._stop.set()
         try:
             self.rm.call(lambda rid: Close(rid), self.timeouts.poll * 10)
         except PathwaysError as exc:
             log.info("could not close the session at the resource manager: %s", exc)
-        for island in self.islands:
-            for link in island.links.values():
-                link.close()
+        self.islands.close()
         self.rm.close()
         if self.embedded is not None:
             self.embedded.stop(30.0 if wait else 0.0)
@@ -521,7 +395,7 @@ class FreeBatcher:
         """Send every island's waiting frees now, as one Free message per island."""
         for island in range(len(self._pending)):
             ids = self.take(island)
-            if ids and island not in self._session.dead:
+            if ids and island not in self._session.islands.dead:
                 self._session.submit(island, Free(tuple(ids)).encode())
 
     def _run(self, interval: float) -> None:

@@ -68,7 +68,7 @@ class VirtualSlice:
             # revoke goes by the resource manager and could overtake a call made just before, which the island
             # would then refuse, where arrays made on the slice must stay fetchable.
             others = {isl.index for isl in session.islands if isl.index != self.island}
-            session.outboxes.drain(session.timeouts.op, skip=others | set(session.dead))
+            session.outboxes.drain(session.timeouts.op, skip=others | set(session.islands.dead))
             session.request(lambda rid: Release(rid, self.key), "pw.release")
             session.slices.pop(self.key, None)
         self.released = True

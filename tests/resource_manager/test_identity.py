@@ -99,7 +99,7 @@ def test_admin_operations_need_the_admin_credential(cluster, mallory, mallory_en
     mallory.island_failed(0, "mallory says so")  # a client's word marks nothing
     time.sleep(1.0)
     assert pw.status().islands[0].healthy and pw.status().islands[0].reason == ""
-    mallory.dead.clear()
+    mallory.islands.dead.clear()
     unchanged(cluster, victim)
 
 

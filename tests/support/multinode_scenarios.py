@@ -359,7 +359,7 @@ def node_loss(cluster, worker) -> dict:
     st = pw.status()
     out["healthy"] = [i.healthy for i in st.islands]
     out["reason"] = st.islands[0].reason
-    out["dead_island"] = sorted(session.dead)
+    out["dead_island"] = sorted(session.islands.dead)
     return out
 
 

@@ -1,6 +1,6 @@
-"""The MoE example through the runtime (tiny config, the session's 2-island cluster): experts split over two
-islands give the one-island run's losses and parameters, a new placement (an expert moved, another
-replicated) changes nothing in the loss, and a training run's loss falls."""
+"""The MoE example through the runtime (tiny config, a 2-island cluster of this module's own, which runs beside the
+session cluster's tests): experts split over two islands give the one-island run's losses and parameters, a new
+placement (an expert moved, another replicated) changes nothing in the loss, and a training run's loss falls."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import pathways as pw
+from client.session import current
 from examples.moe import model
 from examples.moe.config import CONFIGS
 from examples.moe.placement import Placement, Slot
@@ -22,9 +23,24 @@ TINY = CONFIGS["tiny"]
 BATCH, STEPS = 8, 3
 UNIFORM = Placement.uniform(TINY.n_experts, 2, TINY.capacity, len(TINY.moe_layers))
 
+pytestmark = [pytest.mark.cluster, pytest.mark.own_cluster]
+
 
 @pytest.fixture(scope="module")
-def slices(cluster):
+def runtime():
+    """Two islands of 2 devices, started here and stopped after the module (in one process with the session's
+    cluster, under ``-n 0``, that cluster: ``pw.init`` returns the session there is)."""
+    try:
+        session, started = current(), False
+    except pw.PathwaysError:
+        session, started = pw.init(topology=pw.Topology(islands=2, hosts_per_island=1, devices_per_host=2)), True
+    yield session
+    if started:
+        pw.shutdown()
+
+
+@pytest.fixture(scope="module")
+def slices(runtime):
     wide = pw.slice((2,), (AXIS,), island=0)
     singles = [pw.slice((1,), (AXIS,), island=i) for i in range(2)]
     yield wide, singles
@@ -96,7 +112,7 @@ def test_moving_and_replicating_experts_changes_nothing_in_the_loss(slices, para
         np.testing.assert_array_equal(a, b)  # the two copies of expert 1 stay bitwise identical
 
 
-def test_training_loss_falls_with_a_plot(cluster, uniform_run, tmp_path):
+def test_training_loss_falls_with_a_plot(runtime, uniform_run, tmp_path):
     result = train(TrainOptions(config="tiny", islands=2, steps=16, batch=BATCH, out=str(tmp_path),
                                 progress=False))
     assert np.mean(result.losses[-4:]) < np.mean(result.losses[:4]) - 0.3

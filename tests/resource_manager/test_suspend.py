@@ -162,7 +162,8 @@ def _cluster_state(run: Cli) -> dict:
     return json.loads(run("status", "--json").stdout)["cluster"]
 
 
-@pytest.mark.cluster  # starts its own clusters (`pathways up`)
+@pytest.mark.cluster  # starts its own clusters (`pathways up`); its tenant's jobs would run as a user named here,
+@pytest.mark.own_cluster  # so the runtime makes no OS user and the test may run beside the session cluster's
 def test_sigterm_suspends_and_a_new_cluster_resumes_where_the_attached_client_goes_on(tmp_path):
     """The preemption path: SIGTERM to the runtime of `pathways up --suspend-dir`, `pathways down`, a new
     `pathways up` on the same address, `pathways resume`: a client attached all along goes on."""
@@ -171,7 +172,7 @@ def test_sigterm_suspends_and_a_new_cluster_resumes_where_the_attached_client_go
     client = None
     try:
         run.up("--suspend-dir", str(keep))
-        run("tenants", "add", "team", "--weight", "1")
+        run("tenants", "add", "team", "--weight", "1", "--job-user", "nobody")
         client = subprocess.Popen([sys.executable, "-c", CLIENT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=run.env)
         assert client.stdout.readline().strip() == "READY", client.stderr.read()[-3000:]

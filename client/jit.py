@@ -324,7 +324,8 @@ class CompiledFunction:
 
         try:
             in_sh = tuple(s.sharding for s in structs)
-            exported = jax.export.export(jax.jit(flat, in_shardings=in_sh, out_shardings=out_sh))(*structs)
+            exported = jax.export.export(jax.jit(flat, in_shardings=in_sh, out_shardings=out_sh),
+                                         platforms=(slice.platform,))(*structs)
         except Exception as exc:  # sharding or lowering errors for this signature
             raise ProgramError(f"{self.name} cannot be exported for slice {slice.shape}: {exc}") from None
         blob = bytes(exported.serialize())

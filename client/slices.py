@@ -53,8 +53,15 @@ class VirtualSlice:
 
     @property
     def mesh_key(self) -> tuple:
-        """What an export for this slice depends on: its mesh's shape, axis names and axis types."""
-        return self.shape, self.axis_names, self.axis_types
+        """What an export for this slice depends on: its mesh's shape, axis names and axis types, and the
+        platform its island runs."""
+        return self.shape, self.axis_names, self.axis_types, self.platform
+
+    @property
+    def platform(self) -> str:
+        """JAX's name for the platform of the island's devices ('cpu', 'cuda'): what computations for this
+        slice are exported for."""
+        return self._session.topology.jax_platform
 
     def abstract_mesh(self) -> AbstractMesh:
         """The slice's mesh without devices, with its axis types: what the client exports StableHLO against."""

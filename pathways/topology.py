@@ -89,6 +89,12 @@ class Topology:
         object.__setattr__(self, "gpu_share", float(share))
 
     @property
+    def jax_platform(self) -> str:
+        """JAX's name for the islands' platform: what their hosts run (``JAX_PLATFORMS``) and what the client
+        exports computations for (a client on CPU exports for CUDA islands without a GPU of its own)."""
+        return "cuda" if self.platform == "gpu" else "cpu"
+
+    @property
     def gpus_per_host(self) -> float:
         """The GPUs each host reserves from Ray (0 on CPU; a fraction where hosts share a GPU)."""
         if self.platform != "gpu":

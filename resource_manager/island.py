@@ -52,14 +52,14 @@ def host_runtime_env(topology: Topology) -> dict:
     and the huge-page malloc settings; on GPU, the CUDA platform and, where the topology sets one (hosts that
     share a GPU), the share of its memory the host's XLA client takes."""
     if topology.platform == "gpu":
-        env = {"JAX_PLATFORMS": "cuda"}
+        env = {"JAX_PLATFORMS": topology.jax_platform}
         if topology.host_memory_fraction is not None:
             env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{topology.host_memory_fraction:.4g}"
         return {"env_vars": env}
     flags = f"--xla_force_host_platform_device_count={topology.devices_per_host}"
     tunables = ":".join(t for t in (os.environ.get("GLIBC_TUNABLES"), HUGE_PAGES["GLIBC_TUNABLES"]) if t)
     arenas = os.environ.get("MALLOC_ARENA_MAX", HUGE_PAGES["MALLOC_ARENA_MAX"])
-    return {"env_vars": {"XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu", "GLIBC_TUNABLES": tunables,
+    return {"env_vars": {"XLA_FLAGS": flags, "JAX_PLATFORMS": topology.jax_platform, "GLIBC_TUNABLES": tunables,
                          "MALLOC_ARENA_MAX": arenas}}
 
 

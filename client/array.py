@@ -9,6 +9,7 @@ once and keeps them.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -374,20 +375,24 @@ def put(tree: Any, slice: VirtualSlice, specs: Any = None) -> Any:  # noqa: A002
 def put_host(session: Session, host: HostData, slice: VirtualSlice, spec: P, what: str) -> Array:  # noqa: A002
     """Send one converted host value to ``slice``, sharded by ``spec``: each host receives only its own shards,
     straight from this process, one piece per distinct device region (a device adopts its piece as is)."""
+    check_spec(spec, host.shape, slice.shape, slice.axis_names, what)
+    array = host.data
+    mine = {h: sorted(index) for h, index in owned_regions(array.shape, slice.desc(), spec).items()}
+    sizes = {(slice.island, h): array.itemsize * sum(math.prod(b - a for a, b in index) for index in indices)
+             for h, indices in mine.items()}
+    session.parked.make_room(sizes, what)  # outside the gate: a suspension need not wait for this
     with session.gate.sending(session.timeouts.suspend, what):
-        check_spec(spec, host.shape, slice.shape, slice.axis_names, what)
-        array = host.data
         buffer_id = session.mint()
-        regions = owned_regions(array.shape, slice.desc(), spec)
         for h in slice.hosts:
-            mine = sorted(regions[h])
-            datas = [np.ascontiguousarray(array[tuple(np.s_[a:b] for a, b in index)]) for index in mine]
-            upload = PutData(buffer_id, [[list(r) for r in index] for index in mine], array.dtype.name)
+            datas = [np.ascontiguousarray(array[tuple(np.s_[a:b] for a, b in index)]) for index in mine[h]]
+            upload = PutData(buffer_id, [[list(r) for r in index] for index in mine[h]], array.dtype.name)
             session.upload(slice.island, h, upload.encode(), datas)
         msg = Put(buffer_id, slice.desc(), spec_of(spec_to_wire(spec)), Aval(tuple(array.shape), array.dtype.name))
         session.submit(slice.island, msg.encode())
-    return Array(session, buffer_id, host.shape, host.dtype, slice, spec, frozenset({slice.island}),
-                 weak_type=host.weak_type, key=host.key)
+    out = Array(session, buffer_id, host.shape, host.dtype, slice, spec, frozenset({slice.island}),
+                weak_type=host.weak_type, key=host.key)
+    session.parked.sent(out, sizes)
+    return out
 
 
 def owned_regions(shape: tuple[int, ...], desc: SliceDesc, spec: P) -> dict[int, set]:

@@ -24,6 +24,7 @@ from client import attach, waiting
 from client.islands import Islands
 from client.link import Link, LinkClosed, expect_role
 from client.outbox import Outboxes
+from client.parked import ParkedWindow
 from client.runtime import (
     DEFAULT_TENANT,
     Embedded,
@@ -87,6 +88,7 @@ class Session:
         self.slices: dict[str, Any] = {}
         self.outboxes = Outboxes(self, len(self.islands))
         self.frees = FreeBatcher(self)
+        self.parked = ParkedWindow(self.budgets["parked_bytes"], timeouts.fetch)
         self.events = EventLog()
         self._stop = threading.Event()
         self._renewed = time.monotonic()

@@ -92,10 +92,38 @@ def test_host_bytes_over_the_budget_fail_that_tenants_put_or_computation_only(cl
         big.fetch(timeout=30)
     small = put_host(session, as_host_data(np.ones(1 << 16, np.float32), "put"), s, P(), "put")  # 256 KiB
     small.block_until_ready(timeout=30)
-    huge_upload = put_host(session, as_host_data(np.ones(2 << 20, np.float32), "put"), s, P(), "put")  # 8 MiB
-    with pytest.raises(pw.ResourceError, match="over your parked_bytes budget"):
+    with pytest.raises(pw.ResourceError, match="over your parked_bytes budget"):  # refused before it is sent
+        put_host(session, as_host_data(np.ones(2 << 20, np.float32), "put"), s, P(), "put")  # 8 MiB
+    window, session.parked.limit = session.parked.limit, 1 << 40  # a client that sends it anyway
+    try:
+        huge_upload = put_host(session, as_host_data(np.ones(2 << 20, np.float32), "put"), s, P(), "put")
+    finally:
+        session.parked.limit = window
+    with pytest.raises(pw.ResourceError, match="over your parked_bytes budget"):  # the host refuses it
         huge_upload.fetch(timeout=30)
     served(victim)
+
+
+def test_a_client_puts_a_tree_over_its_parked_bytes_by_waiting_for_the_island_to_take_its_first_leaves(cluster):
+    """A model's state put at once is more than the bytes a host parks for a tenant: the client sends the rest as the
+    island takes the first leaves, and every leaf arrives."""
+    from jax.sharding import PartitionSpec as P
+
+    from client.array import put_host
+    from client.host_values import as_host_data
+    from client.slices import VirtualSlice
+    from pathways.requests import Allocate
+
+    env = tenant_env("putter")
+    pw.admin().set_tenant("putter", budgets={"parked_bytes": 1 << 20})
+    session = Session(cluster.address, "putter", cluster.timeouts, env["PATHWAYS_CREDENTIAL"])
+    try:
+        s = VirtualSlice(session, session.request(lambda rid: Allocate(rid, [1], ["x"], 0), "allocate"))
+        leaves = [put_host(session, as_host_data(np.full(1 << 16, k, np.float32), "put"), s, P(), "put")
+                  for k in range(24)]  # 6 MiB back to back, 256 KiB each
+        assert [float(leaf.fetch(timeout=60)[-1]) for leaf in leaves] == list(range(24))
+    finally:
+        session.close()
 
 
 def test_a_computation_whose_outputs_go_over_host_bytes_never_runs(cluster, greedy, victim):

@@ -248,7 +248,8 @@ class Suspension:
         done = self._call("restore", lambda i, k: (store.location, json.dumps(parts[(i, k)], sort_keys=True)),
                           timeout + held / SAVE_BYTES_PER_S)
         return {"buffers": sum(d["buffers"] for d in done), "bytes": sum(d["array_bytes"] for d in done),
-                "sessions": len(manifest["sessions"]) - len(dropped), "sessions_dropped": dropped}
+                "sessions": len(manifest["sessions"]) - len(dropped), "sessions_dropped": dropped,
+                "buffers_dropped": sum(d["buffers_dropped"] for d in done)}
 
 
     def _replace(self, islands: list) -> None:

@@ -18,6 +18,7 @@ import time
 # Tests sit in folders by the code they test; the modules they share and the scripts they run by path are in
 # tests/support, importable from every folder.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
+pytest_plugins = ("palm_fixtures",)
 # The client needs no devices, but the pure-JAX model tests shard over 4: give this process 4 CPU devices
 # before JAX loads (island hosts set their own through their runtime_env).
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")

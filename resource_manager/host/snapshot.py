@@ -179,7 +179,8 @@ def restore(parts: Any, store: Store, part: dict, island: int, host: int) -> dic
     if parts.admission is not None:
         parts.admission.restore({int(c): int(n) for c, n in index["positions"].items()
                                  if parts.grants.session(int(c)) is not None})
-    return {"island": island, "host": host, "buffers": len(values), "array_bytes": sum(_nbytes(b) for b, _ in arrays)}
+    return {"island": island, "host": host, "buffers": len(values), "array_bytes": sum(_nbytes(b) for b, _ in arrays),
+            "buffers_dropped": len(index["buffers"]) - len(arrays)}  # their sessions ended since the suspend
 
 
 def _restore_array(b: dict, chunks: dict[tuple, bytearray], devices: Any) -> jax.Array:

@@ -12,7 +12,7 @@ import pytest
 from conftest import lower_graph
 
 import pathways as pw
-from examples.palm import checkpoint, data, logs, model, optim, runs
+from examples.palm import checkpoint, data, logs, optim, runs
 from examples.palm.checkpoint import RunFolderError
 from examples.palm.config import CONFIGS
 from examples.palm.spikes import SpikeDetector, SpikePolicy
@@ -24,22 +24,8 @@ OPT = optim.OptimConfig()
 BATCH = 8
 
 
-@pytest.fixture(scope="module")
-def slices(cluster):
-    pods = [pw.slice((2, 2), ("data", "model"), island=i) for i in range(2)]
-    yield pods
-    for s in pods:
-        s.release()
-
-
-@pytest.fixture(scope="module")
-def host_state() -> tuple:
-    params = jax.jit(model.init_params, static_argnums=0)(TINY, jax.random.key(0))
-    return params, optim.init_opt_state(params, OPT)
-
-
-def _run(step: TrainStep, host_state: tuple, n: int) -> tuple:
-    state, losses = step.put_state(*host_state), []
+def _run(step: TrainStep, palm_host_state: tuple, n: int) -> tuple:
+    state, losses = step.put_state(*palm_host_state), []
     for i in range(n):
         state, metrics, _ = step(state, data.batch(i, 0, BATCH, TINY.seq_len))
         losses.append(np.mean([m.fetch()[0] for m in metrics]))
@@ -54,30 +40,30 @@ def _bitwise_equal(a: list, b: list) -> bool:
     return len(a) == len(b) and all(x.dtype == y.dtype and x.tobytes() == y.tobytes() for x, y in zip(a, b))
 
 
-def test_two_pods_stay_bitwise_identical_and_match_one_pod(slices, host_state):
-    two, losses2 = _run(TrainStep(TINY, OPT, slices, overlap=True), host_state, 4)
+def test_two_pods_stay_bitwise_identical_and_match_one_pod(palm_pods, palm_host_state):
+    two, losses2 = _run(TrainStep(TINY, OPT, palm_pods, overlap=True), palm_host_state, 4)
     pod0, pod1 = _leaves(two.params[0]), _leaves(two.params[1])
     assert _bitwise_equal(pod0, pod1)
-    assert not _bitwise_equal(pod0, [np.asarray(x) for x in jax.tree.leaves(host_state[0])])  # it did train
+    assert not _bitwise_equal(pod0, [np.asarray(x) for x in jax.tree.leaves(palm_host_state[0])])  # it did train
     assert _bitwise_equal(_leaves(two.opt_state[0]), _leaves(two.opt_state[1]))
-    one, losses1 = _run(TrainStep(TINY, OPT, slices[:1]), host_state, 4)
+    one, losses1 = _run(TrainStep(TINY, OPT, palm_pods[:1]), palm_host_state, 4)
     np.testing.assert_allclose(losses2, losses1, rtol=1e-5)
     for got, want in zip(pod0, _leaves(one.params[0])):
         np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
 
 
-def _island0_ops(step: TrainStep, host_state: tuple) -> list[tuple[str, str]]:
+def _island0_ops(step: TrainStep, palm_host_state: tuple) -> list[tuple[str, str]]:
     """(op, computation name) of pod 0's fragment, in the order the host runs them."""
-    state = step.put_state(*host_state)
+    state = step.put_state(*palm_host_state)
     graph = step.program.graph(state.params, state.opt_state,
                                step.put_batch(data.batch(0, 0, BATCH, TINY.seq_len)))
     return [(op.KIND, getattr(op, "name", "")) for op in lower_graph(graph).fragments[0].ops]
 
 
-def test_overlap_sends_each_group_while_the_next_backward_runs(slices, host_state):
+def test_overlap_sends_each_group_while_the_next_backward_runs(palm_pods, palm_host_state):
     n_pieces = TINY.layer_groups + 2  # one packed buffer per group, the head's, and the embedding lookup's
     for overlap in (True, False):
-        ops = _island0_ops(TrainStep(TINY, OPT, slices, overlap=overlap), host_state)
+        ops = _island0_ops(TrainStep(TINY, OPT, palm_pods, overlap=overlap), palm_host_state)
         sends = [i for i, (op, _) in enumerate(ops) if op == "send"]
         recvs = [i for i, (op, _) in enumerate(ops) if op == "recv"]
         stages = [i for i, (op, name) in enumerate(ops) if name.startswith("stage_backward")]
@@ -91,9 +77,9 @@ def test_overlap_sends_each_group_while_the_next_backward_runs(slices, host_stat
             assert min(sends) > backward_done
 
 
-def test_overlap_and_post_backward_exchange_give_the_same_bits(slices, host_state):
-    a, _ = _run(TrainStep(TINY, OPT, slices, overlap=True), host_state, 2)
-    b, _ = _run(TrainStep(TINY, OPT, slices, overlap=False), host_state, 2)
+def test_overlap_and_post_backward_exchange_give_the_same_bits(palm_pods, palm_host_state):
+    a, _ = _run(TrainStep(TINY, OPT, palm_pods, overlap=True), palm_host_state, 2)
+    b, _ = _run(TrainStep(TINY, OPT, palm_pods, overlap=False), palm_host_state, 2)
     assert _bitwise_equal(_leaves(a.params[1]), _leaves(b.params[1]))
 
 

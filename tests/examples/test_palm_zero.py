@@ -15,8 +15,7 @@ import pytest
 from conftest import host_stats, lower_graph
 from suite_paths import ROOT, script
 
-import pathways as pw
-from examples.palm import data, model, optim
+from examples.palm import data, optim
 from examples.palm.config import CONFIGS
 from examples.palm.step import TrainStep
 from examples.palm.train import fetch_tree, parse_args
@@ -28,27 +27,13 @@ BATCH = 8
 STEPS = 2
 
 
-@pytest.fixture(scope="module")
-def slices(cluster):
-    pods = [pw.slice((2, 2), ("data", "model"), island=i) for i in range(2)]
-    yield pods
-    for s in pods:
-        s.release()
-
-
-@pytest.fixture(scope="module")
-def host_state() -> tuple:
-    params = jax.jit(model.init_params, static_argnums=0)(TINY, jax.random.key(0))
-    return params, optim.init_opt_state(params, OPT)
-
-
 def _bytes_out(session) -> int:
     return sum(host_stats(session, i)["bytes_out"] for i in (0, 1))
 
 
-def _run(session, step: TrainStep, host_state: tuple) -> tuple:
+def _run(session, step: TrainStep, palm_host_state: tuple) -> tuple:
     """STEPS steps: (state, losses, bytes sent by both pods during the last step)."""
-    state, losses = step.put_state(*host_state), []
+    state, losses = step.put_state(*palm_host_state), []
     for i in range(STEPS):
         before = _bytes_out(session)
         state, metrics, norms = step(state, data.batch(i, 0, BATCH, TINY.seq_len))
@@ -63,21 +48,21 @@ def _bits(leaves) -> list[bytes]:
     return [np.asarray(x).tobytes() for x in leaves]
 
 
-def test_every_stage_trains_as_the_replicated_step_with_one_set_of_bits(cluster, slices, host_state):
-    replicated = TrainStep(TINY, OPT, slices)
-    ref, ref_losses, ref_sent = _run(cluster, replicated, host_state)
+def test_every_stage_trains_as_the_replicated_step_with_one_set_of_bits(cluster, palm_pods, palm_host_state):
+    replicated = TrainStep(TINY, OPT, palm_pods)
+    ref, ref_losses, ref_sent = _run(cluster, replicated, palm_host_state)
     ref_params, ref_opt = (jax.tree.leaves(t) for t in fetch_tree(replicated.full_state(ref)))
     param_bytes = sum(x.nbytes for x in ref_params)
     assert ref_sent >= 2 * param_bytes  # stage 0: each pod sends all its gradients
     sent = {}
     for stage in (1, 2, 3):
-        step = ZeroTrainStep(TINY, OPT, slices, stage)
-        state, losses, sent[stage] = _run(cluster, step, host_state)
+        step = ZeroTrainStep(TINY, OPT, palm_pods, stage)
+        state, losses, sent[stage] = _run(cluster, step, palm_host_state)
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-6, err_msg=f"stage {stage}")
         params, opt_state = (jax.tree.leaves(t) for t in fetch_tree(step.full_state(state)))
         for got, want in zip(params + opt_state, ref_params + ref_opt):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=f"stage {stage}")
-        assert _bits(params) != _bits(jax.tree.leaves(host_state[0]))  # it did train
+        assert _bits(params) != _bits(jax.tree.leaves(palm_host_state[0]))  # it did train
         owned = [step.layout.part.owned(p) for p in range(2)]
         assert all(len(jax.tree.leaves(s)) < len(jax.tree.leaves(ref_opt)) for s in state.opt_state)
         if stage < 3:  # both pods hold every parameter: the bits each owner computed
@@ -93,9 +78,9 @@ def test_every_stage_trains_as_the_replicated_step_with_one_set_of_bits(cluster,
     assert 1.1 * ref_sent < sent[3] < 1.7 * ref_sent, (sent, ref_sent)
 
 
-def test_stage3_sends_each_group_one_group_ahead_of_where_it_is_read(slices, host_state):
-    step = ZeroTrainStep(TINY, OPT, slices, 3)
-    state = step.put_state(*host_state)
+def test_stage3_sends_each_group_one_group_ahead_of_where_it_is_read(palm_pods, palm_host_state):
+    step = ZeroTrainStep(TINY, OPT, palm_pods, 3)
+    state = step.put_state(*palm_host_state)
     graph = step.program.graph(state.params, state.opt_state, step.put_batch(data.batch(0, 0, BATCH, TINY.seq_len)))
     for fragment in lower_graph(graph).fragments.values():  # both pods alike
         ops = [(op.KIND, getattr(op, "name", "")) for op in fragment.ops]

@@ -15,6 +15,8 @@ finish, so a check that fails or runs out of time loses only itself. The checks,
   and each host's memory on the GPU (``nvidia-smi``).
 - ``palm``: the PaLM example (bfloat16, one pod on the whole GPU) at a size that fills its memory: tokens/s
   and MFU against the GPU's bf16 datasheet peak (PaLM reached 46.2%).
+- ``palm_jax``: the same model, batch and optimizer as one ``jax.jit`` step in plain JAX on the GPU (each layer
+  group rematerialized, as the runtime's step does): what the runtime's PaLM step is measured against.
 - ``dispatch``, ``transfer``: ``benchmarks.dispatch --quick`` and ``benchmarks.transfer --quick`` as written
   (CPU islands on this machine's cores), their JSON next to the others.
 
@@ -29,6 +31,7 @@ Ray, flatbuffers for ``jax.export`` and tqdm for the PaLM example importable; no
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -40,9 +43,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-CHECKS = ("env", "jax_matmul", "quickstart", "shared_gpu", "palm", "dispatch", "transfer")
-LIMITS_S = {"env": 30, "jax_matmul": 60, "quickstart": 90, "shared_gpu": 100, "palm": 240, "dispatch": 120,
-            "transfer": 120}  # each check's own limit; all of them together get --budget
+CHECKS = ("env", "jax_matmul", "quickstart", "shared_gpu", "palm", "palm_jax", "dispatch", "transfer")
+LIMITS_S = {"env": 30, "jax_matmul": 60, "quickstart": 90, "shared_gpu": 100, "palm": 240, "palm_jax": 150,
+            "dispatch": 120, "transfer": 120}  # each check's own limit; all of them together get --budget
+OWN_GPU = ("jax_matmul", "palm_jax")  # checks whose own process runs JAX on the GPU (plain JAX baselines)
 BUDGET_S = 420  # all checks together, so that a run that goes wrong still ends within ten minutes
 MIB = 2**20
 
@@ -279,6 +283,62 @@ def _palm(platform: str, config_name: str, batch: int, steps: int) -> dict:
         pw.shutdown()
 
 
+def check_palm_jax(platform: str, config_name: str, batch: int | None, steps: int) -> dict:
+    """The PaLM step in plain JAX on this process's device, at the batch the runtime's check used (or what fits)."""
+    import dataclasses
+
+    import jax
+    import numpy as np
+
+    from examples.palm import data, model, optim
+    from examples.palm.config import CONFIGS
+
+    dtype = "bfloat16" if platform == "gpu" else "float32"
+    config = dataclasses.replace(CONFIGS[config_name], dtype=dtype)
+    optim_config = optim.OptimConfig()
+
+    def loss(params: Any, tokens: dict) -> tuple:
+        x = model.embed_forward(params["embed"], tokens["inputs"], config)
+        for group in model.split_groups(params["layers"], config):
+            x = jax.checkpoint(lambda g, h: model.stage_forward(g, h, config))(group, x)
+        logits = model.logits_from_hidden(model.head_params(params), x, config)
+        return model.loss_from_logits(logits, tokens["targets"], config)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(params: Any, opt_state: Any, tokens: dict) -> tuple:
+        (value, _), grads = jax.value_and_grad(loss, has_aux=True)(params, tokens)
+        params, opt_state = optim.apply_update(params, opt_state, grads, optim_config)
+        return params, opt_state, value
+
+    batch = palm_batch(platform, batch)
+    tried = []
+    while True:
+        try:
+            params = model.init_params(config, jax.random.key(0))
+            opt_state = optim.init_opt_state(params, optim_config)
+            tokens = jax.device_put(data.batch(0, 0, batch, config.seq_len))
+            params, opt_state, first = step(params, opt_state, tokens)
+            first_loss = float(first)
+            break
+        except Exception as exc:  # out of device memory: half the batch
+            if batch == 1 or "RESOURCE_EXHAUSTED" not in str(exc):
+                raise
+            tried.append(batch)
+            batch //= 2
+    for _ in range(2):  # warm
+        params, opt_state, value = step(params, opt_state, tokens)
+    value.block_until_ready()
+    start = time.perf_counter()
+    for _ in range(steps):
+        params, opt_state, value = step(params, opt_state, tokens)
+    last_loss = float(value)
+    step_s = (time.perf_counter() - start) / steps
+    return {"config": config_name, "dtype": dtype, "batch": batch, "batches_that_did_not_fit": tried,
+            "step_s": step_s, "tokens_per_s": batch * config.seq_len / step_s, "first_loss": first_loss,
+            "last_loss": last_loss, "device": jax.devices()[0].device_kind,
+            "finite": bool(np.isfinite(last_loss))}
+
+
 def check_benchmark(name: str, out: Path) -> dict:
     path = out / f"bench_{name}.json"
     start = time.perf_counter()
@@ -301,6 +361,8 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
         return check_shared_gpu(args.platform)
     if name == "palm":
         return check_palm(args.platform, args.palm_config, args.palm_batch, args.palm_steps)
+    if name == "palm_jax":
+        return check_palm_jax(args.platform, args.palm_config, args.palm_batch, args.palm_steps)
     return check_benchmark(name, out)
 
 
@@ -355,11 +417,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_check(name: str, args: argparse.Namespace, out: Path, limit: float) -> dict:
     """One check in a process of its own, within ``limit`` seconds: its record, or what it printed when it
-    failed. Only ``jax_matmul`` on GPU gives its process the GPU; every other client runs JAX on CPU."""
+    failed. Only the plain-JAX baselines give their process the GPU; every other client runs JAX on CPU."""
     cmd = [sys.executable, "-m", "benchmarks.gpu_check", "--run", name, "--platform", args.platform,
            "--out", str(out), "--palm-config", args.palm_config, "--palm-steps", str(args.palm_steps)]
     cmd += ["--palm-batch", str(args.palm_batch)] if args.palm_batch else []
-    env = {**os.environ, "JAX_PLATFORMS": "cuda" if name == "jax_matmul" and args.platform == "gpu" else "cpu"}
+    env = {**os.environ, "JAX_PLATFORMS": "cuda" if name in OWN_GPU and args.platform == "gpu" else "cpu",
+           "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9"}  # what the runtime's one pod takes of the GPU in ``palm``
     result_file = out / f"{name}.json"
     result_file.unlink(missing_ok=True)
     try:

@@ -216,7 +216,8 @@ def _slice_for(session: Any, island: int) -> pw.VirtualSlice:
     from client.slices import VirtualSlice
     from pathways.requests import Allocate
 
-    return VirtualSlice(session, session.request(lambda rid: Allocate(rid, [2], ["x"], island), "allocate"))
+    return VirtualSlice(session, session.request(lambda rid: Allocate(rid, [2], ["x"], island), "allocate"),
+                        platform=session.topology.jax_platform)
 
 
 def main() -> None:

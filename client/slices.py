@@ -25,8 +25,10 @@ class VirtualSlice:
 
     _internal_device_list = None  # what NamedSharding reads of a mesh without devices (as of an AbstractMesh)
 
-    def __init__(self, session: Session, wire: dict, axis_types: tuple[AxisType, ...] | None = None) -> None:
+    def __init__(self, session: Session, wire: dict, axis_types: tuple[AxisType, ...] | None = None,
+                 platform: str = "cpu") -> None:
         self._session = session
+        self.platform = platform  # JAX's name for the island's platform ('cpu', 'cuda'): what code is exported for
         self.key: str = wire["key"]
         self.shape: tuple[int, ...] = tuple(wire["shape"])
         self.axis_names: tuple[str, ...] = tuple(wire["axes"])
@@ -57,11 +59,6 @@ class VirtualSlice:
         platform its island runs."""
         return self.shape, self.axis_names, self.axis_types, self.platform
 
-    @property
-    def platform(self) -> str:
-        """JAX's name for the platform of the island's devices ('cpu', 'cuda'): what computations for this
-        slice are exported for."""
-        return self._session.topology.jax_platform
 
     def abstract_mesh(self) -> AbstractMesh:
         """The slice's mesh without devices, with its axis types: what the client exports StableHLO against."""
@@ -127,7 +124,7 @@ def slice(shape: Sequence[int], axis_names: Sequence[str], island: int | None = 
         raise ResourceError(f"pw.slice: island must be an island's index, got {island!r}")
     types = _axis_types(axis_types, len(dims))
     wire = session.request(lambda rid: Allocate(rid, dims, axes, island), "pw.slice")
-    s = VirtualSlice(session, wire, types)
+    s = VirtualSlice(session, wire, types, session.topology.jax_platform)
     session.slices[s.key] = s
     return s
 

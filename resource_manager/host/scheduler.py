@@ -87,6 +87,7 @@ from dataclasses import dataclass, replace
 from pathways.ops import Template
 from resource_manager.host.admission import Admitted
 from resource_manager.host.costs import Costs
+from resource_manager.host.fair_clock import FairClock
 from resource_manager.host.throttle import Throttles
 from resource_manager.host.usage import Usage
 
@@ -160,7 +161,6 @@ class Scheduler:
         self._lock = threading.Lock()
         self._due = threading.Condition(self._lock)  # ``wait_due`` waits on it for a throttled tenant's hold to end
         self.window, self.window_s, self.eager = window, window_s, eager
-        self.credit_s = window_s if credit_s is None else credit_s
         self.part_s = window_s / 2 if part_s is None else part_s
         self.first_part_ops = first_part_ops
         self.group = max(1, group)
@@ -168,16 +168,12 @@ class Scheduler:
         self._inflight_calls = 0  # fragments in flight, each call of a group counted (what ``window`` bounds)
         self._received = [0, 0]  # queue calls, messages in them: how well clients coalesce
         self._seq = 0
-        self._vtime = 0.0
-        self._weights: dict[str, float] = {}
         self._queues: dict[str, deque[Admitted | _Rest]] = {}  # only tenants with something queued
-        self._pass: dict[str, float] = {}  # island time charged (measured) / weight
-        self._owed: dict[str, float] = {}  # the estimates of the tenant's fragments in flight / weight
         self._costs = Costs()
         self._throttles = Throttles(self._op_cap_ms)
         self._throttled = self._throttles.tenants  # read here (one dict test per place), changed by the throttle only
         self._usage = Usage()
-        self._admitting: dict[str, tuple[float, int]] = {}  # admission seconds not charged yet, and their messages
+        self._clock = FairClock(window_s if credit_s is None else credit_s, self._usage)
         self._inflight: dict[int, _Flight] = {}
         self._blocked: dict[int, _Flight] = {}
         self._flying: dict[str, int] = {}  # tenant -> its fragments in the window
@@ -189,7 +185,7 @@ class Scheduler:
     def set_weight(self, tenant: str, weight: float) -> None:
         """The tenant's weight, as the resource manager's registry holds it (finite and positive)."""
         with self._lock:
-            self._weights[tenant] = weight
+            self._clock.weights[tenant] = weight
 
     # -- the order ------------------------------------------------------------------------------------------
     def queue(self, entries: list[Admitted], tenant: str | None = None, admission_s: float = 0.0,
@@ -204,8 +200,7 @@ class Scheduler:
             count = max(messages, len(entries))
             if tenant is not None and admission_s > 0:
                 if count:
-                    pooled, waiting = self._admitting.get(tenant, (0.0, 0))
-                    self._admitting[tenant] = (pooled + admission_s, waiting + count)
+                    self._clock.pool(tenant, admission_s, count)
                 else:
                     self._charge(tenant, admission_s)
             self._received[0] += 1
@@ -229,68 +224,31 @@ class Scheduler:
 
     def _charge(self, tenant: str, seconds: float) -> None:
         self._wake(tenant)
-        self._pass[tenant] += seconds / self._weight(tenant)
-        self._usage.account(tenant, seconds)
-
-    def _admitted(self, tenant: str, messages: int) -> None:
-        """``messages`` of the tenant's messages took their place in the order: charge their part of the admission
-        work pooled for it."""
-        pooled, count = self._admitting.pop(tenant, (0.0, 0))
-        if not count:
-            return
-        if messages < count:
-            self._admitting[tenant] = (pooled * (1 - messages / count), count - messages)
-            pooled *= messages / count
-        self._pass[tenant] += pooled / self._weight(tenant)
-        self._usage.account(tenant, pooled)
-
-    def _weight(self, tenant: str) -> float:
-        return self._weights.get(tenant, 1.0)
+        self._clock.charge(tenant, seconds)
 
     def _active(self, tenant: str) -> bool:
         return bool(self._queues.get(tenant)) or self._flying.get(tenant, 0) > 0
 
+    def _actives(self) -> set[str]:
+        """Tenants with work queued or in flight."""
+        return set(self._queues).union(t for t, n in self._flying.items() if n)
+
     def _wake(self, tenant: str) -> None:
-        """A tenant with nothing queued or in flight starts where the others are if it is new, and at most its
-        share of ``credit_s`` of island time behind them if it comes back, whatever it did not use while away.
-        Where the others are is where their places in flight end (by their estimates): a place released before
-        it came is no debt of theirs to it (a tenant alone on the island may have a window's worth running, and
-        a weight-1 tenant would wait 14 times that among 1:2:4:8 if its pass said so), and tenants that came
-        back with it and have nothing in flight yet do not pull the start of the next one back by their credit."""
+        """A tenant with nothing queued or in flight starts where the others are (``FairClock.wake``)."""
         if not self._active(tenant):
-            self._usage.woke(tenant)
-            vtime = self._virtual_time()
-            flying = {t: self._pass[t] + self._owed.get(t, 0.0) for t in self._pass if self._flying.get(t)}
-            first = min(flying, key=flying.__getitem__, default=None)
-            weights = self._weight(tenant) + sum(self._weight(t) for t in self._pass if self._active(t))
-            floor = max(vtime, flying[first] if first else vtime) - self.credit_s / weights
-            before = self._pass.get(tenant, vtime)
-            self._pass[tenant] = max(before, floor)
-            if first is not None and flying[first] > vtime and floor > before:
-                for flight in self._inflight.values():  # where they really end is known once they complete
-                    if flight.tenant == first:
-                        flight.came = [*(flight.came or ()), tenant]
+            self._clock.wake(tenant, self._virtual_time(), self._actives(), self._inflight.values())
 
     def _virtual_time(self) -> float:
-        """The lowest pass among tenants with work queued or in flight (it never moves back), a throttled tenant's
-        aside while it is held (its pass stands still then, and must not hold the clock back). Passes here count
-        what was measured, not the estimates of what is still in flight: an estimate that was too high (a
-        compile, a slow moment) must not move the clock that returning tenants start from."""
+        """The island's virtual time (``FairClock.virtual_time``), a throttled tenant's pass aside while it is
+        held."""
+        active = self._actives()
         if self._throttled:
-            held = self._throttles.held(time.monotonic())
-            active = [p for t, p in self._pass.items() if self._active(t) and t not in held]
-        else:
-            active = [p for t, p in self._pass.items() if self._active(t)]
-        if active:
-            self._vtime = max(self._vtime, min(active))
-        return self._vtime
+            active -= self._throttles.held(time.monotonic())
+        return self._clock.virtual_time(active)
 
     def _end_busy_period(self) -> None:
-        """Nothing queued and nothing in flight: every tenant starts the next busy period level, debts forgiven (no
-        one was kept waiting by them) and credits spent."""
-        if not self._inflight and not self._queues and self._pass:
-            self._vtime = max(self._vtime, max(self._pass.values()))
-            self._pass = dict.fromkeys(self._pass, self._vtime)
+        if not self._inflight and not self._queues:
+            self._clock.level()
 
     def _next(self) -> int:
         seq = self._seq
@@ -313,11 +271,12 @@ class Scheduler:
         """``tenant``'s place just took ``busy`` seconds of the island (``over`` its op_ms budget): hold its next
         one until its weight's share of the island time since allows it, against the others that used the island
         in the last ``RECENT_S`` seconds."""
-        recent = self._usage.recent_tenants() | {t for t in self._pass if self._active(t)}
+        recent = self._usage.recent_tenants() | {t for t in self._clock.passes if self._active(t)}
         recent.discard(tenant)
-        others = sum(self._weight(t) for t in recent)
-        if self._throttles.hold(tenant, busy * others / self._weight(tenant), busy, over, now):
-            self._pass[tenant] = max(self._pass[tenant], self._virtual_time())  # throttled: no credit to spend
+        clock = self._clock
+        others = sum(clock.weight(t) for t in recent)
+        if self._throttles.hold(tenant, busy * others / clock.weight(tenant), busy, over, now):
+            clock.passes[tenant] = max(clock.passes[tenant], self._virtual_time())  # throttled: no credit to spend
         self._due.notify_all()
 
     def due(self) -> float | None:
@@ -352,6 +311,8 @@ class Scheduler:
         released: Released = [(self._next(), resume) for resume in self._resumes]
         self._resumes.clear()
         queues, inflight, costs, over_cap = self._queues, self._inflight, self._costs.per_op, self._costs.over
+        clock = self._clock
+        passes, owes, weights = clock.passes, clock.owed, clock.weights
         window, window_s = self.window, self.window_s
         while self._inflight_calls < window and (not inflight or self._inflight_s < window_s):
             span = self.part_s  # the island time one place of the tenant's may take, by its estimate
@@ -366,8 +327,8 @@ class Scheduler:
                 if len(ready) == 1:
                     tenant = ready[0]
                 else:
-                    tenant = min(ready, key=lambda t: (self._pass[t] + self._owed.get(t, 0.0), t))
-                    weights = self._weights  # while others wait, a place takes at most its tenant's share of a part
+                    tenant = min(ready, key=lambda t: (passes[t] + owes.get(t, 0.0), t))
+                    # while others wait, a place takes at most its tenant's share of a part
                     span *= weights.get(tenant, 1.0) / sum(weights.get(t, 1.0) for t in ready)
             queue = queues[tenant]
             item = queue.popleft()
@@ -381,8 +342,8 @@ class Scheduler:
                 entry = self._costs.refuse(item, self._op_cap_ms(item.tenant), self.island)
             if not entry.counts:
                 released.append((seq, entry))
-                if self._admitting:
-                    self._admitted(tenant, 1)
+                if clock.admitting:
+                    clock.admitted(tenant, 1)
                 self._maybe_idle(tenant)
                 continue
             key = (tenant, entry.template)
@@ -407,16 +368,16 @@ class Scheduler:
                 calls += len(more)
                 self._fragments[tenant] = self._fragments.get(tenant, 0) + calls
                 ops = n_ops * calls
-            if self._admitting and not rest:
-                self._admitted(tenant, calls)
+            if clock.admitting and not rest:
+                clock.admitted(tenant, calls)
             if hi < n_ops:  # the rest goes before the tenant's later messages
                 queues.setdefault(tenant, deque()).appendleft(_Rest(entry, item.seq if rest else seq, hi))
             estimate = FIRST_ESTIMATE_S if cost is None else max(cost * ops, 1e-6)
-            owed = estimate / self._weights.get(tenant, 1.0)
+            owed = estimate / weights.get(tenant, 1.0)
             inflight[seq] = _Flight(tenant, estimate, owed, key, ops, cost is None, calls)
             self._inflight_s += estimate
             self._inflight_calls += calls
-            self._owed[tenant] = self._owed.get(tenant, 0.0) + owed
+            owes[tenant] = owes.get(tenant, 0.0) + owed
             self._flying[tenant] = self._flying.get(tenant, 0) + 1
             if cost is None:
                 self._unmeasured[tenant] = self._unmeasured.get(tenant, 0) + 1
@@ -457,10 +418,10 @@ class Scheduler:
                     continue
                 tenant = flight.tenant
                 self._usage.account(tenant, busy, second)
-                used = busy / self._weights.get(tenant, 1.0)
-                self._pass[tenant] += used
+                used = busy / self._clock.weight(tenant)
+                self._clock.passes[tenant] += used
                 if flight.came:
-                    self._started_after(flight.came, used - flight.owed)
+                    self._clock.started_after(flight.came, used - flight.owed, self._actives())
                 ran = busy - (rest[0] if rest else 0.0)
                 if ran > 0:  # a run that only compiled says nothing of what the next will take
                     self._costs.learn(flight.key, ran / max(flight.ops, 1))
@@ -475,15 +436,6 @@ class Scheduler:
                     self._throttle(tenant, busy, over, now)
             self._end_busy_period()
             return self._release()
-
-    def _started_after(self, tenants: list[str], error: float) -> None:
-        """Tenants that woke while a place released before them flew started where it would end by its estimate;
-        it took ``error`` (in pass) more (or less): they start where it really ended. On a busy machine the first
-        window after a pause runs well over its estimate, and a tenant that had the island to itself a moment
-        must not owe the excess to those that came after, nor they to it."""
-        for tenant in tenants:
-            if self._active(tenant):
-                self._pass[tenant] = max(self._pass[tenant] + error, min(self._pass[tenant], self._vtime))
 
     def blocked(self, seqs: list[int]) -> Released:
         """Fragments waiting on another island's transfer leave the window, so islands never wait on
@@ -513,7 +465,8 @@ class Scheduler:
             self._inflight_s = self._inflight_s - flight.estimate if self._inflight else 0.0
             self._inflight_calls -= flight.calls
             tenant = flight.tenant
-            self._owed[tenant] = self._owed[tenant] - flight.owed if self._flying[tenant] > 1 else 0.0
+            owes = self._clock.owed
+            owes[tenant] = owes[tenant] - flight.owed if self._flying[tenant] > 1 else 0.0
             self._flying[tenant] -= 1
             if flight.unmeasured:
                 self._unmeasured[tenant] -= 1
@@ -523,8 +476,7 @@ class Scheduler:
     def _maybe_idle(self, tenant: str) -> None:
         if not self._active(tenant):
             self._usage.idle(tenant)
-            if tenant in self._admitting:  # messages that took no place (merged, dropped): their work is charged now
-                self._admitted(tenant, self._admitting[tenant][1])
+            self._clock.settle(tenant)
 
     def stats(self) -> dict:
         """The scheduler's counters: sequence numbers issued, window, queued/in-flight/blocked fragments, and each
@@ -536,14 +488,14 @@ class Scheduler:
             recent = self._usage.recent()
             vtime = self._virtual_time()
             now = time.monotonic()
-            tenants = {t: {"lag_s": (p - vtime) * self._weight(t), "queued": len(self._queues.get(t, ())),
+            tenants = {t: {"lag_s": (p - vtime) * self._clock.weight(t), "queued": len(self._queues.get(t, ())),
                            "inflight": self._flying.get(t, 0),
                            "idle_s": self._usage.idle_s(t, now), "throttled": t in self._throttled,
                            "held_s": self._throttles.held_s(t, now)}
-                       for t, p in self._pass.items()}
+                       for t, p in self._clock.passes.items()}
             return {"tenant_time_recent_s": recent, "island": self.island, "sequenced": self._seq,
                     "window": self.window, "window_s": self.window_s, "inflight_s": self._inflight_s,
                     "queued": sum(len(q) for q in self._queues.values()), "inflight": self._inflight_calls,
                     "blocked": len(self._blocked), "parked": len(self._landed), "tenant_time_s": self._usage.time_s(),
-                    "fragments": dict(self._fragments), "weights": dict(self._weights), "tenants": tenants,
+                    "fragments": dict(self._fragments), "weights": dict(self._clock.weights), "tenants": tenants,
                     "submit_calls": self._received[0], "messages": self._received[1]}

@@ -1,0 +1,116 @@
+"""Where each tenant stands in an island's time: the scheduler's fair-share clock.
+
+A tenant's *pass* is the island time it was charged divided by its weight; the next place in the order goes to
+the tenant with work whose pass, plus what its places in flight owe by their estimates, is lowest (stride
+scheduling). The island's *virtual time* is the lowest pass among tenants with work: a tenant that wakes starts
+there (or where the places in flight then end), at most its weight's share of ``credit_s`` behind it, and when the
+island has nothing to do every tenant starts the next busy period level. The rules, and why, are in
+``resource_manager.host.scheduler``'s docstring; this part holds the numbers. Not thread-safe: the scheduler's
+lock guards it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol
+
+from resource_manager.host.usage import Usage
+
+
+class Flight(Protocol):
+    """What the clock reads of a place in flight (``resource_manager.host.scheduler._Flight``)."""
+
+    tenant: str
+    owed: float
+    came: list[str] | None
+
+
+class FairClock:
+    """Each tenant's weight and pass, what its places in flight owe, the admission work pooled for it, and the
+    island's virtual time."""
+
+    def __init__(self, credit_s: float, usage: Usage) -> None:
+        self.credit_s = credit_s
+        self.usage = usage
+        self.vtime = 0.0
+        self.weights: dict[str, float] = {}
+        self.passes: dict[str, float] = {}  # island time charged (measured) / weight
+        self.owed: dict[str, float] = {}  # the estimates of the tenant's places in flight / weight
+        self.admitting: dict[str, tuple[float, int]] = {}  # admission seconds not charged yet, and their messages
+
+    def weight(self, tenant: str) -> float:
+        return self.weights.get(tenant, 1.0)
+
+    def charge(self, tenant: str, seconds: float) -> None:
+        """``seconds`` of the island's time count against ``tenant``'s share (it has woken already)."""
+        self.passes[tenant] += seconds / self.weight(tenant)
+        self.usage.account(tenant, seconds)
+
+    def pool(self, tenant: str, seconds: float, messages: int) -> None:
+        """Admission work for ``messages`` of the tenant's messages, charged a like part as each takes its place."""
+        pooled, waiting = self.admitting.get(tenant, (0.0, 0))
+        self.admitting[tenant] = (pooled + seconds, waiting + messages)
+
+    def admitted(self, tenant: str, messages: int) -> None:
+        """``messages`` of the tenant's messages took their place in the order: charge their part of the admission
+        work pooled for it."""
+        pooled, count = self.admitting.pop(tenant, (0.0, 0))
+        if not count:
+            return
+        if messages < count:
+            self.admitting[tenant] = (pooled * (1 - messages / count), count - messages)
+            pooled *= messages / count
+        self.charge(tenant, pooled)
+
+    def settle(self, tenant: str) -> None:
+        """The tenant went idle: admission work pooled for messages that took no place (merged, dropped) is charged
+        now."""
+        if tenant in self.admitting:
+            self.admitted(tenant, self.admitting[tenant][1])
+
+    def wake(self, tenant: str, vtime: float, active: set[str], flights: Iterable[Flight]) -> None:
+        """``tenant`` had nothing queued or in flight and now has (``active``: the tenants that have, itself
+        aside; ``vtime``: the virtual time now). A new tenant starts where the others are, and one that comes back
+        at most its share of ``credit_s`` of island time behind them, whatever it did not use while away. Where the
+        others are is where their places in flight end (by their estimates): a place released before it came is
+        no debt of theirs to it (a tenant alone on the island may have a window's worth running, and a weight-1
+        tenant would wait 14 times that among 1:2:4:8 if its pass said so), and tenants that came back with it and
+        have nothing in flight yet do not pull the start of the next one back by their credit."""
+        self.usage.woke(tenant)
+        flights = list(flights)
+        flying = {f.tenant: self.passes[f.tenant] + self.owed.get(f.tenant, 0.0) for f in flights}
+        first = min(flying, key=flying.__getitem__, default=None)
+        weights = self.weight(tenant) + sum(self.weight(t) for t in active if t in self.passes)
+        floor = max(vtime, flying[first] if first else vtime) - self.credit_s / weights
+        before = self.passes.get(tenant, vtime)
+        self.passes[tenant] = max(before, floor)
+        if first is not None and flying[first] > vtime and floor > before:
+            for flight in flights:  # where they really end is known once they complete
+                if flight.tenant == first:
+                    flight.came = [*(flight.came or ()), tenant]
+
+    def virtual_time(self, active: Iterable[str]) -> float:
+        """The lowest pass among ``active`` tenants (those with work queued or in flight, a throttled tenant
+        aside while it is held: its pass stands still then, and must not hold the clock back); it never moves
+        back. Passes count what was measured, not the estimates of what is still in flight: an estimate that was
+        too high (a compile, a slow moment) must not move the clock that returning tenants start from."""
+        passes = [self.passes[t] for t in active if t in self.passes]
+        if passes:
+            self.vtime = max(self.vtime, min(passes))
+        return self.vtime
+
+    def level(self) -> None:
+        """Nothing queued and nothing in flight: every tenant starts the next busy period level, debts forgiven (no
+        one was kept waiting by them) and credits spent."""
+        if self.passes:
+            self.vtime = max(self.vtime, max(self.passes.values()))
+            self.passes = dict.fromkeys(self.passes, self.vtime)
+
+    def started_after(self, tenants: list[str], error: float, active: set[str]) -> None:
+        """Tenants that woke while a place released before them flew started where it would end by its estimate;
+        it took ``error`` (in pass) more (or less): they start where it really ended. On a busy machine the first
+        window after a pause runs well over its estimate, and a tenant that had the island to itself a moment
+        must not owe the excess to those that came after, nor they to it."""
+        for tenant in tenants:
+            if tenant in active:
+                self.passes[tenant] = max(self.passes[tenant] + error, min(self.passes[tenant], self.vtime))

@@ -297,7 +297,8 @@ def transfer(value: Any, slice: Any, spec: P | None = None) -> Any:  # noqa: A00
             target_spec = spec if spec is not None else getattr(leaf, "spec", None) or P()
             shape = leaf.shape if hasattr(leaf, "shape") else np.shape(leaf)
             check_spec(target_spec, tuple(shape), slice.shape, slice.axis_names, "pw.transfer")
-        key = (slice.key, None if spec is None else norm_spec(spec), len(leaves))
+        # the spec's length too: P("x") and P("x", None) shard alike but fit different ranks, and the body keeps it
+        key = (slice.key, None if spec is None else (norm_spec(spec), len(spec)), len(leaves))
         return _move_program(key, lambda v: transfer(v, slice, spec))(value)
 
     def move(leaf: Any) -> TracedValue:

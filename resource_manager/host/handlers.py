@@ -118,15 +118,16 @@ class Handler:
         return {}
 
     # -- what handlers share ------------------------------------------------------------------------------
-    def local(self, run: Run, op: Op) -> Any:
-        """The host-local facts of the run's current op (``prepare``d on its first run, kept by template)."""
+    def local(self, run: Run, op: Op, k: int | None = None) -> Any:
+        """The host-local facts of the run's op ``k`` (default: its current op; ``prepare``d on first use, kept by
+        template)."""
         template = run.template
         facts = self._prepared.get(template)
         if facts is None:
             facts = self._prepared[template] = [None] * len(template.ops)
             while len(self._prepared) > PREPARED:
                 self._prepared.popitem(last=False)
-        k = run.pc
+        k = run.pc if k is None else k
         fact = facts[k]
         if fact is None:
             fact = facts[k] = self.prepare(template, op)
@@ -327,8 +328,10 @@ class RecvHandler(Handler, op=Recv):
         return self.parts.receiver.recv(run.rid(op.out), op, expect, landing, run.tenant, run.label, final)
 
     def announce(self, run: Run, op: Recv) -> None:
-        """Tell the receiver the pieces to keep for it."""
-        self.parts.receiver.expect(run.rid(op.out), op)
+        """Tell the receiver the pieces to keep for it, and where they land here (so it may copy lent ones early)."""
+        k = next((i for i, o in enumerate(run.ops) if o is op), None)  # admission comes before the op is current
+        expect, landing = (None, None) if k is None else self.local(run, op, k)
+        self.parts.receiver.expect(run.rid(op.out), op, expect, landing)
 
     def watch(self, run: Run, op: Recv) -> None:
         """Have the receiver report when this host's pieces have landed."""

@@ -13,6 +13,14 @@ budgets: a piece that would take the tenant over one is refused, and its
 receive fails at once with a ResourceError naming the budget; no other
 tenant's receive is affected.
 
+Shards lent by a sender on this node are copied as soon as all of a receive's
+pieces are here and its recv op was admitted (``expect`` with the landing),
+on a landing thread, while the executor still works through earlier ops: a
+weight sync's many receives then copy while the executor spends its time on
+each op's bookkeeping, instead of after it. The landed array counts against
+the tenant's ``parked_bytes`` until its recv op takes it (over that budget it
+waits for the op, which lands it then).
+
 On a multi-host island a recv op must not hold the island's order while its
 data is on the way (two islands exchanging data could each wait on the
 other): the executor parks the run, and this side reports when the data has
@@ -27,6 +35,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,13 +47,14 @@ from pathways.messages import Deliver
 from pathways.ops import MAX_SHARDS, Expect, Recv, Region
 from resource_manager.host.buffer_pool import BufferPool
 from resource_manager.host.buffers import BufferTable, Failure
-from resource_manager.host.transfer import Landing, assemble
+from resource_manager.host.transfer import PLANS, Landing, assemble
 from resource_manager.host.transport.direct import Lent
 from resource_manager.host.transport.peers import Peers
 
 Sender = tuple[int, int]  # (island, host)
 MAX_MAILBOXES = 1 << 16
 FINISHED = 1 << 16  # receive ids remembered as done, so late pieces go straight back
+LANDERS = 2  # receives landed ahead of their op at once (one copies while the other hands its buffers to JAX)
 log = logging.getLogger(__name__)
 
 
@@ -99,10 +109,14 @@ class Receiver:
         self._finished: OrderedDict[int, None] = OrderedDict()
         self._watches: dict[int, _Watch] = {}
         self._landed: list[tuple[int, int]] = []
+        self._ready: dict[int, tuple[frozenset[Sender], int, Landing]] = {}  # admitted: senders, count, landing
+        self._landing: dict[int, Future] = {}  # receives whose lent pieces are being copied ahead of their op
+        self._landers = ThreadPoolExecutor(max_workers=LANDERS, thread_name_prefix="landing")
         self.failed_islands: set[int] = set()
         self.bytes_in = 0
         self.bytes_in_direct = 0
         self.refused = 0
+        self.early = 0  # receives landed ahead of their op
 
     # -- filing -------------------------------------------------------------------------------------------
     def deliver(self, msg: Deliver, pieces: Sequence[Any], sender: Sender) -> None:
@@ -114,8 +128,9 @@ class Receiver:
     def _file(self, msg: Deliver, pieces: Sequence[Any], sender: Sender) -> None:
         key = msg.key
         box = self.mailbox.get(key)
-        if key in self._finished or key in self._refusals or (box is None and len(self.mailbox) >= MAX_MAILBOXES):
-            self._give_back(pieces)
+        if key in self._finished or key in self._refusals or key in self._landing or \
+                (box is None and len(self.mailbox) >= MAX_MAILBOXES):
+            self._give_back(pieces)  # (a receive being landed has all its pieces: what comes now is extra)
             return
         nbytes = sum(_piece_bytes(p) for p in pieces)
         if box is None:
@@ -154,6 +169,25 @@ class Receiver:
         watch = self._watches.get(key)
         if watch is not None and self._complete(box, watch.count, watch.allowed):
             self._land_watch(key)
+        if key in self._ready:
+            self._land_early(key, box)
+
+    def _land_early(self, key: int, box: Mailbox) -> None:
+        """Start copying a receive's lent pieces on the landing thread, if its op was admitted, every piece is here
+        and lent, and its tenant's ``parked_bytes`` hold the array (the lock held)."""
+        allowed, count, landing = self._ready[key]
+        if key in self._landing or box.failure is not None or box.count(allowed) < count:
+            return
+        pieces = {region: data for (sender, region), data in box.pieces.items() if sender in allowed}
+        if not all(type(p) is Lent for p in pieces.values()):
+            return  # pieces already in this host's memory: the op gathers them, nothing to overlap
+        held = self._held[box.tenant]
+        budget = self._owner(key)
+        if budget is None or held[1] + landing.nbytes > budget[1].parked_bytes:
+            return  # its op lands it, under the host_bytes budget it checks then
+        box.nbytes += landing.nbytes
+        held[1] += landing.nbytes
+        self._landing[key] = self._landers.submit(assemble, landing, pieces, self.pool.take)
 
     def _refuse(self, key: int, pieces: Sequence[Any], error: Exception) -> None:
         """Refuse what arrived for ``key`` over its tenant's budget; its receive fails with ``error`` when it
@@ -197,11 +231,26 @@ class Receiver:
             self._finished.popitem(last=False)
         if self.peers.network is not None:  # late pieces over the network are refused, partial ones released
             self.peers.network.finished(key)
+        self._ready.pop(key, None)
+        self._landing.pop(key, None)  # a copy still under way is dropped with its result
 
-    def expect(self, key: int, op: Recv) -> None:
-        """A fragment with this receive was admitted: the network path may take its pieces (the plan's only)."""
+    def expect(self, key: int, op: Recv, expect: Expect | None = None, landing: Landing | None = None) -> None:
+        """A fragment with this receive was admitted: the network path may take its pieces (the plan's only), and
+        with ``expect`` and ``landing`` (what lands on this host, and where) lent pieces may be copied as soon as
+        they are all here."""
         if self.peers.network is not None:
             self.peers.network.expect(key, op)
+        if expect is None or landing is None:
+            return
+        with self._lock:
+            if key in self._finished or key in self._refusals:
+                return
+            self._ready[key] = (frozenset((op.src, s) for s in expect.senders), expect.count, landing)
+            while len(self._ready) > MAX_MAILBOXES:  # bounded like the mailboxes: the oldest lands by its op
+                self._ready.pop(next(iter(self._ready)))
+            box = self.mailbox.get(key)
+            if box is not None:
+                self._land_early(key, box)
 
     def drop(self, key: int) -> None:
         """The receive failed or will never run: return what was lent for it, refuse what comes later."""
@@ -243,13 +292,22 @@ class Receiver:
                                             f"island {op.src} (program {label!r}); that island is dead or stuck")
                 return False
             self._drop_box(key)
+            early = self._landing.pop(key, None)
             self._finish(key)
         if box.failure is not None:
             self._give_back(list(box.pieces.values()))
             self.table.put(key, tenant, box.failure)
             return True
         try:
-            array = assemble(landing, {region: data for (_, region), data in box.pieces.items()}, self.pool.take)
+            if early is not None:
+                array = early.result(timeout=self.op_timeout)
+                self.early += 1
+            else:
+                array = assemble(landing, {region: data for (_, region), data in box.pieces.items()},
+                                 self.pool.take)
+        except TimeoutError as exc:
+            raise IslandFailedError(f"copying the shards island {op.src} lent to island {self.island} (program "
+                                    f"{label!r}) took over {self.op_timeout:.0f}s") from exc
         except OSError as exc:
             raise IslandFailedError(f"copying the shards island {op.src} lent to island {self.island} "
                                     f"(program {label!r}) failed: {exc}; the sending host died") from exc
@@ -334,6 +392,7 @@ class Receiver:
 
     def stats(self) -> dict[str, int]:
         """The receive side's counters: open mailboxes, bytes received (and of those copied from lent memory),
-        pieces refused."""
+        pieces refused, receives landed ahead of their op, and the copy plans of lent pieces (kept, their bytes,
+        made, reused)."""
         return {"mailbox": len(self.mailbox), "bytes_in": self.bytes_in, "bytes_in_direct": self.bytes_in_direct,
-                "refused_pieces": self.refused}
+                "refused_pieces": self.refused, "landed_early": self.early, **PLANS.stats()}

@@ -9,13 +9,16 @@ object-store memory pinned for as long as the array lives, on 4 KiB shared
 pages that computations read slowly and a later same-node copy pins page by
 page (slower than the huge pages of the host's own heap). A ``Landed``
 piece already is such a buffer, so one that is exactly a device's region is
-adopted without a copy.
+adopted without a copy. Lent pieces land by the host's plan for the pair of
+shardings (``copy_plan``): worked out on the first transfer of a shape between
+two shardings, then only executed.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import jax
@@ -24,7 +27,8 @@ from jax.sharding import NamedSharding
 
 from pathways.sharding import Index, intersection
 from resource_manager.host.buffer_pool import aligned_empty
-from resource_manager.host.transport.direct import Lent, copy_into
+from resource_manager.host.copy_plan import Plans, check_cover
+from resource_manager.host.transport.direct import CHUNK, INLINE_BYTES, THREADS, Lent, copy_into
 
 Alloc = Callable[[Sequence[int], np.dtype], np.ndarray]
 
@@ -53,12 +57,14 @@ def local_pieces(array: jax.Array) -> dict[Index, jax.Array]:
 
 
 def region(pieces: dict[Index, np.ndarray | Lent], want: Index, dtype: np.dtype, alloc: Alloc = aligned_empty,
-           lent: list | None = None) -> np.ndarray:
+           lent: list | None = None, local: list | None = None) -> np.ndarray:
     """The ``want`` region, gathered from the pieces that overlap it into ``alloc``'s buffer.
 
     Overlaps with lent pieces are not copied here but appended to ``lent`` as ``(piece, out, want)``,
-    for ``direct.copy_into`` to fill in one pass. The pieces must cover the region exactly once: a landing
-    buffer is reused memory, and a byte no piece wrote would hand back whatever it held before (ValueError).
+    for ``direct.copy_into`` to fill in one pass; with ``local`` given, overlaps with pieces in this
+    process are appended there as ``(out, dst, data, src)`` for ``gather`` to copy. The pieces must
+    cover the region exactly once: a landing buffer is reused memory, and a byte no piece wrote would
+    hand back whatever it held before (ValueError).
     """
     out = alloc([b - a for a, b in want], dtype)
     shared_all = []
@@ -74,28 +80,12 @@ def region(pieces: dict[Index, np.ndarray | Lent], want: Index, dtype: np.dtype,
         else:
             src = tuple(slice(x - a, y - a) for (x, y), (a, _) in zip(shared, have))
             dst = tuple(slice(x - c, y - c) for (x, y), (c, _) in zip(shared, want))
-            out[dst] = data[src]
+            if local is None:
+                out[dst] = data[src]
+            else:
+                local.append((out, dst, data, src))
     check_cover(shared_all, want)
     return out
-
-
-def check_cover(parts: list[Index], want: Index) -> None:
-    """ValueError unless ``parts`` (each within ``want``) cover every element of ``want`` exactly once."""
-    size = math.prod(b - a for a, b in want)
-    filled = sum(math.prod(y - x for x, y in p) for p in parts)
-    if filled == size and len(parts) <= 64:
-        overlapping = any(intersection(parts[i], parts[j]) is not None
-                          for i in range(len(parts)) for j in range(i + 1, len(parts)))
-    elif filled == size:  # many pieces: count each element's writers
-        count = np.zeros([b - a for a, b in want], np.uint8)
-        for p in parts:
-            count[tuple(slice(x - a, y - a) for (x, y), (a, _) in zip(p, want))] += 1
-        overlapping = bool((count != 1).any())
-    else:
-        overlapping = filled > size
-    if filled != size or overlapping:
-        raise ValueError(f"received pieces {'overlap within' if overlapping else 'cover only part of'} region "
-                         f"{want} ({filled} of its {size} elements written); refusing to land it")
 
 
 @dataclass(frozen=True)
@@ -114,9 +104,16 @@ class Landing:
         return sum(math.prod(b - a for a, b in idx) for _, idx in self.wanted) * self.dtype.itemsize
 
 
+PLANS = Plans()  # this host's copy plans of lent pieces (one host per process)
+_gatherers = ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="gather")
+
+
 def assemble(landing: Landing, pieces: dict[Index, np.ndarray | Lent], alloc: Alloc = aligned_empty) -> jax.Array:
     """A global array on ``landing.sharding`` whose local devices get their regions from ``pieces``."""
+    if pieces and all(type(p) is Lent for p in pieces.values()):
+        return _assemble_lent(landing, pieces, alloc)
     lent: list = []
+    local: list = []
     adopted: set[Index] = set()
     regions = []
     for _, idx in landing.wanted:
@@ -125,10 +122,64 @@ def assemble(landing: Landing, pieces: dict[Index, np.ndarray | Lent], alloc: Al
             adopted.add(idx)  # adopted once: two devices never share one buffer
             regions.append(piece.view(np.ndarray))
         else:
-            regions.append(region(pieces, idx, landing.dtype, alloc, lent))
+            regions.append(region(pieces, idx, landing.dtype, alloc, lent, local))
     if lent:
         copy_into(lent, landing.dtype.itemsize)
+    if local:
+        gather(local)
+    return _on_devices(landing, regions)
+
+
+def gather(copies: list[tuple[np.ndarray, tuple, np.ndarray, tuple]]) -> None:
+    """Run ``out[dst] = data[src]`` for each copy: pieces that arrived whole (over the network) regathered as the
+    devices' regions. numpy lets go of the interpreter lock while it copies, so a large gather is cut into slabs
+    of about ``CHUNK`` bytes along the first dimension and shared by several threads; a small one runs here."""
+    slabs = []
+    for out, dst, data, src in copies:
+        rows = dst[0].stop - dst[0].start if dst else 1
+        row_bytes = max(1, out[dst].nbytes // max(1, rows))
+        step = max(1, CHUNK // row_bytes)
+        if not dst or rows <= step:
+            slabs.append((out, dst, data, src))
+            continue
+        for lo in range(0, rows, step):
+            hi = min(rows, lo + step)
+            slabs.append((out, (slice(dst[0].start + lo, dst[0].start + hi), *dst[1:]), data,
+                          (slice(src[0].start + lo, src[0].start + hi), *src[1:])))
+    if len(slabs) == 1 or sum(out[dst].nbytes for out, dst, _, _ in slabs) <= INLINE_BYTES:
+        for out, dst, data, src in slabs:
+            out[dst] = data[src]
+        return
+    for future in [_gatherers.submit(_copy, *slab) for slab in slabs]:
+        future.result()
+
+
+def _copy(out: np.ndarray, dst: tuple, data: np.ndarray, src: tuple) -> None:
+    out[dst] = data[src]
+
+
+def _assemble_lent(landing: Landing, pieces: dict[Index, Lent], alloc: Alloc) -> jax.Array:
+    """``assemble`` when every piece is lent (same-node): by the host's plan for this pair of shardings, each
+    distinct region read once, replicas copied from it here."""
+    order = tuple(sorted(pieces))
+    plan = PLANS.get(tuple(idx for _, idx in landing.wanted), order, landing.dtype.itemsize)
+    buffers = [alloc([b - a for a, b in r], landing.dtype) for r in plan.regions]
+    plan.run([pieces[k] for k in order], buffers)
+    regions, seen = [], set()
+    for slot in plan.slots:
+        if slot in seen:  # another device holds this region too: a buffer of its own, copied locally
+            replica = alloc(buffers[slot].shape, landing.dtype)
+            np.copyto(replica, buffers[slot])
+            regions.append(replica)
+        else:
+            seen.add(slot)
+            regions.append(buffers[slot])
+    return _on_devices(landing, regions)
+
+
+def _on_devices(landing: Landing, regions: list[np.ndarray]) -> jax.Array:
+    """The global array whose local devices adopt ``regions`` (one per ``landing.wanted`` entry, in order)."""
     if len(regions) == 1 and len(landing.sharding.device_set) == 1:  # one device: no per-device arrays to join
         return jax.device_put(regions[0], landing.sharding)
-    arrays = [jax.device_put(r, dev) for r, (dev, _) in zip(regions, landing.wanted)]
+    arrays = jax.device_put(regions, [dev for dev, _ in landing.wanted])
     return jax.make_array_from_single_device_arrays(landing.shape, landing.sharding, arrays)

@@ -35,6 +35,7 @@ from pathways.sharding import Index, intersection
 CHUNK = 4 * 2**20  # bytes per read call: big copies are split over several threads
 IOV_MAX = 1024  # Linux's limit on segments per call
 THREADS = max(1, min(4, os.cpu_count() or 1))
+INLINE_BYTES = 1 << 20  # reads of at most this many bytes in all run on the calling thread
 PROBE = bytes(range(64))
 
 
@@ -149,12 +150,21 @@ def copy_into(jobs: Sequence[tuple[Lent, np.ndarray, Index]], itemsize: int) -> 
                 calls.extend(_calls(piece, *part))
         else:
             calls.extend(_calls(piece, src, dst, lengths))
-    if len(calls) == 1:
-        _read(*calls[0])
-    else:
-        for future in [_threads.submit(_read, *call) for call in calls]:
-            future.result()
+    read_all(calls)
     return sum(call[3] for call in calls)
+
+
+def read_all(calls: Sequence[tuple[int, np.ndarray, np.ndarray, int]]) -> None:
+    """Run read calls ``(pid, local iovecs, remote iovecs, bytes)``: on the read threads, or on this thread when
+    they are one call or few bytes (handing them over would cost more than the copy)."""
+    if _readv is None:
+        raise OSError("process_vm_readv is not available on this platform")
+    if len(calls) == 1 or sum(call[3] for call in calls) <= INLINE_BYTES:
+        for call in calls:
+            _read(*call)
+        return
+    for future in [_threads.submit(_read, *call) for call in calls]:
+        future.result()
 
 
 def _calls(piece: Lent, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray) -> list[tuple]:

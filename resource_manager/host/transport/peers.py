@@ -5,15 +5,19 @@ address); a host talks to no one else. A delivery goes by the first transport of
 that carries it: the same-node channel (``channel``: small shards inside the frame, large ones lent, kept alive
 here until their lease comes back), the network path to a host on another node (``network``), else a signed Ray
 actor call through the object store (``ray``), which reaches every peer. Leases come back the same way: the
-first transport of the route that can return them does.
+first transport of the route that can return them does, from a thread of their own (``Returns``): a recv op that
+copied lent shards hands their leases over and goes on, and leases that pile up meanwhile go back together, one
+frame per sender (returning them on the op's thread cost a wake-up of the sender per receive).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +28,77 @@ from resource_manager.host.transport.direct import Lent
 from resource_manager.host.transport.interface import Sent, Transport
 
 ROUTE = ("channel", "network", "ray")  # the transports a delivery tries, in order; the first that carries it wins
+CLOSE_S = 5.0  # how long closing waits for leases still to go back
+log = logging.getLogger(__name__)
+Lease = tuple[tuple[int, int], str, int]  # (the sender that lent it, where it takes leases back, the lease)
+
+
+class Returns:
+    """Leases on their way back to their senders, sent by one thread of their own: ``put`` never waits for a
+    socket. What piles up while a send is under way goes in the next one, grouped per sender. The queue holds no
+    more leases than were lent to this host (each sender bounds what it lends by its receivers' budgets)."""
+
+    def __init__(self, send: Callable[[tuple[int, int], str, list[int]], None]) -> None:
+        self._send = send
+        self._cond = threading.Condition()
+        self._queue: deque[Lease] = deque()
+        self._busy = False
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self.sent = 0  # groups of leases handed to a transport
+
+    def put(self, leases: Sequence[Lease]) -> None:
+        """Queue ``leases`` to go back (after ``close``: sent on the caller's thread)."""
+        with self._cond:
+            if not self._closed:
+                self._queue.extend(leases)
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name="lease-returns", daemon=True)
+                    self._thread.start()
+                self._cond.notify()
+                return
+        self._flush(list(leases))
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                batch, self._busy = list(self._queue), True
+                self._queue.clear()
+            try:
+                self._flush(batch)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _flush(self, batch: list[Lease]) -> None:
+        by_sender: dict[tuple[tuple[int, int], str], list[int]] = {}
+        for peer, reply, lease in batch:
+            by_sender.setdefault((peer, reply), []).append(lease)
+        for (peer, reply), leases in by_sender.items():
+            try:
+                self._send(peer, reply, leases)
+                self.sent += 1
+            except Exception:  # a sender that is gone: its island's failure releases what it lent
+                log.exception("returning %d lease(s) to host %d of island %d failed", len(leases), peer[1], peer[0])
+
+    def wait_sent(self, timeout: float) -> bool:
+        """Wait until every queued lease went back (tests, and closing); False after ``timeout`` seconds."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._queue and not self._busy, timeout)
+
+    def close(self, timeout: float = CLOSE_S) -> None:
+        """Send what is queued (within ``timeout``), then stop the thread; later leases go back on their caller."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
 
 
 @dataclass(frozen=True)
@@ -52,6 +127,7 @@ class Peers:
         self._by_pid: dict[int, PeerInfo] = {}
         self.transports: dict[str, Transport] = {}
         self._route: tuple[Transport, ...] = ()
+        self.returns = Returns(self._return)
 
     def use(self, *transports: Transport | None) -> None:
         """The transports this host has (those it could not open are None): their order is ``ROUTE``'s."""
@@ -126,14 +202,16 @@ class Peers:
         raise ConnectionError(f"no transport reaches host {host} of island {island}")
 
     def give_back(self, pieces: Sequence[Lent]) -> None:
-        """The receiver's side: return the leases of lent pieces to their senders, copied or not."""
-        by_sender: dict[tuple[tuple[int, int], str], list[int]] = {}
-        for piece in pieces:
-            by_sender.setdefault((piece.src, piece.reply), []).append(piece.lease)
-        for (peer, reply), leases in by_sender.items():
-            for transport in self._route:
-                if transport.give_back(peer, reply, leases):
-                    break
+        """The receiver's side: return the leases of lent pieces to their senders, copied or not (queued for
+        ``returns``' thread: the caller does not wait for them to go)."""
+        if pieces:
+            self.returns.put([(piece.src, piece.reply, piece.lease) for piece in pieces])
+
+    def _return(self, peer: tuple[int, int], reply: str, leases: list[int]) -> None:
+        """Leases back to the host that lent them, by the first transport of the route that can."""
+        for transport in self._route:
+            if transport.give_back(peer, reply, leases):
+                return
 
     # -- lending ------------------------------------------------------------------------------------------
     def keep(self, arrays: list[np.ndarray], island: int) -> int:
@@ -172,6 +250,7 @@ class Peers:
         return out
 
     def close(self) -> None:
-        """Close every transport."""
+        """Send the leases still queued, then close every transport."""
+        self.returns.close()
         for transport in self._route:
             transport.close()

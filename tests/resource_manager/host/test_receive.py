@@ -276,3 +276,41 @@ def test_overlapping_pieces_never_land_uninitialized_bytes(side):
         region(many, ((0, 70),), np.float32)
     np.testing.assert_array_equal(region({((0, 3),): np.zeros(3, np.float32), ((3, 6),): np.ones(3, np.float32)},
                                          ((0, 6),), np.float32), [0, 0, 0, 1, 1, 1])
+
+
+def test_lent_pieces_of_an_admitted_receive_are_copied_before_its_op_runs_and_charged_meanwhile():
+    """Once the op is admitted (expect with its landing) and every lent piece is here, the copy starts on the
+    landing thread; the op then takes the landed array. Until it does, the array counts as parked bytes; a piece
+    sent again meanwhile goes straight back (the copy already read the first), and a tenant whose parked_bytes
+    cannot hold the array has it landed by the op as before."""
+    import os
+
+    from pathways.budgets import Budgets
+
+    left, right = halves()
+    side = Side()
+    first = [Lent(os.getpid(), a.ctypes.data, r, s, k, "") for a, r, s, k in ((left, LEFT, (1, 0), 1),
+                                                                            (right, RIGHT, (1, 1), 2))]
+    side.receiver.expect(KEY, RECV, RECV.expected(0), side.landing)
+    side.deliver((1, 0), (LEFT, first[0]))
+    assert KEY not in side.receiver._landing  # half of it: nothing to copy yet
+    side.deliver((1, 1), (RIGHT, first[1]))
+    early = side.receiver._landing[KEY]
+    early.result(timeout=30)
+    assert side.receiver.held("") == (1, 32)  # the landed array, until the op takes it
+    again = Lent(os.getpid(), right.ctypes.data, RIGHT, (1, 1), 3, "")
+    side.deliver((1, 1), (RIGHT, again))
+    assert side.peers.given_back == [again]
+    assert side.recv()
+    np.testing.assert_array_equal(side.value(), np.arange(8, dtype=np.float32))
+    assert side.receiver.stats()["landed_early"] == 1 and side.receiver.held("") == (0, 0)
+    assert sorted(p.lease for p in side.peers.given_back) == [1, 2, 3]
+
+    tight = Side()
+    tight.receiver._owner = lambda key: ("t", Budgets(parked_bytes=16))
+    tight.receiver.expect(KEY, RECV, RECV.expected(0), tight.landing)
+    tight.deliver((1, 0), (LEFT, first[0]))
+    tight.deliver((1, 1), (RIGHT, first[1]))
+    assert KEY not in tight.receiver._landing and tight.recv()  # landed by the op instead
+    np.testing.assert_array_equal(tight.value(), np.arange(8, dtype=np.float32))
+    assert tight.receiver.stats()["landed_early"] == 0

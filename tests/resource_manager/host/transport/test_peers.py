@@ -62,11 +62,16 @@ def test_leases_go_back_to_their_senders_by_the_first_transport_that_takes_them(
     pieces = [Lent(99, 0, ((0, 4),), (1, 0), 5, "sock-a"), Lent(99, 0, ((4, 8),), (1, 0), 6, "sock-a"),
               Lent(98, 0, ((0, 4),), (2, 1), 9, "")]
     peers.give_back(pieces)
+    assert peers.returns.wait_sent(30)  # they go back on a thread of their own
     assert channel.leases == [((1, 0), "sock-a", [5, 6]), ((2, 1), "", [9])]
     assert ray.leases == channel.leases  # the channel took none of them
     channel.takes_leases = True
     peers.give_back(pieces[:1])
+    assert peers.returns.wait_sent(30)
     assert len(ray.leases) == 2
+    peers.close()  # later leases go back on the caller's thread
+    peers.give_back(pieces[:1])
+    assert len(channel.leases) == 4 and peers.returns.sent == 4
 
 
 def test_lent_arrays_stay_alive_until_their_lease_comes_back_or_their_island_fails():

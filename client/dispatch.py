@@ -51,11 +51,11 @@ class Placements:
         self.hits = 0
         self.sent = 0
 
-    def _get(self, key: tuple) -> Array | None:
+    def _get(self, key: tuple, session: Session) -> Array | None:
         with self._lock:
             array = self._kept.get(key)
             if array is not None:
-                if array.slice.released:
+                if array.slice.released or session.epoch(array.slice.island) != array.epoch:  # gone with a restart
                     del self._kept[key]
                     return None
                 self._kept.move_to_end(key)
@@ -78,7 +78,7 @@ class Placements:
         at = (where.slice.key, norm_spec(where.spec))
         if shareable and isinstance(value, jax.Array):
             key = ("id", id(value), *at)
-            array = self._get(key)
+            array = self._get(key, session)
             if array is not None:
                 return array
             host = as_host_data(value, what)
@@ -92,7 +92,7 @@ class Placements:
         content = host.content_key() if shareable else None
         if content is not None:
             key = ("content", content, *at)
-            array = self._get(key)
+            array = self._get(key, session)
             if array is not None:
                 return array
         array = put_host(session, host, where.slice, where.spec, what)

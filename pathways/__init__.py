@@ -50,14 +50,16 @@ _LAZY = {
     "program": "client.program",
     "transfer": "client.program",
     "status": "client.status",
+    "WeightSync": "client.weight_sync",
 }
-_MODULES = {"elastic": "client.elastic", "nnx": "client.nnx", "pipeline": "client.pipeline", "zero": "client.zero"}
+_MODULES = {"elastic": "client.elastic", "nnx": "client.nnx", "pipeline": "client.pipeline", "rl": "client.rl",
+            "zero": "client.zero"}
 
 __all__ = [
     "Admin", "Array", "ClusterStatus", "ClusterSuspendedError", "CompiledFunction", "IslandFailedError",
     "PathwaysError", "Program", "ProgramError", "ProgramFunction", "ResourceError", "TenantAccessError", "Timeouts",
-    "Topology", "VirtualSlice", "WireFormatError", "admin", "elastic", "filter_jit", "init", "jit", "nnx", "pipeline",
-    "program", "put", "release", "shutdown", "slice", "status", "trace", "transfer", "zero",
+    "Topology", "VirtualSlice", "WeightSync", "WireFormatError", "admin", "elastic", "filter_jit", "init", "jit", "nnx",
+    "pipeline", "program", "put", "release", "rl", "shutdown", "slice", "status", "trace", "transfer", "zero",
 ]
 
 

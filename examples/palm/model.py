@@ -72,9 +72,10 @@ def layer_norm(x: jax.Array, scale: jax.Array, eps: float = 1e-6) -> jax.Array:
     return normed.astype(x.dtype) * scale
 
 
-def _rope_tables(seq_len: int, head_dim: int, base: float) -> tuple[jax.Array, jax.Array]:
+def rope_tables(positions: jax.Array, head_dim: int, base: float) -> tuple[jax.Array, jax.Array]:
+    """(sin, cos) [T, head_dim / 2] of the rotary angles at the given token positions [T]."""
     inv_freq = base ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-    angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
     return jnp.sin(angles), jnp.cos(angles)
 
 
@@ -84,24 +85,41 @@ def _rotate(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def _attention(layer: dict, h: jax.Array, config: PalmConfig) -> jax.Array:
-    """Causal multi-query attention: n_heads query heads share one key and one value head."""
-    seq_len = h.shape[1]
+def project_qkv(layer: dict, h: jax.Array, positions: jax.Array, config: PalmConfig
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Rotated queries [B, T, H, Q], the one rotated key head [B, T, Q] and value head [B, T, Q] of ``h``.
+
+    ``positions`` [T] are the tokens' absolute positions: a decoder that caches keys and values projects
+    one new token at a time, at its place in the sequence.
+    """
     q = jnp.einsum("btd,dhq->bthq", h, layer["q"])
     k = jnp.einsum("btd,dq->btq", h, layer["k"])
     v = jnp.einsum("btd,dq->btq", h, layer["v"])
-    sin, cos = _rope_tables(seq_len, config.head_dim, config.rope_base)
-    q = _rotate(q, sin[:, None, :], cos[:, None, :])
-    k = _rotate(k, sin, cos)
+    sin, cos = rope_tables(positions, config.head_dim, config.rope_base)
+    return _rotate(q, sin[:, None, :], cos[:, None, :]), _rotate(k, sin, cos), v
+
+
+def attend(layer: dict, q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, config: PalmConfig
+           ) -> jax.Array:
+    """Multi-query attention of queries [B, T, H, Q] over keys/values [B, S, Q], then the output projection.
+
+    ``visible`` [T, S] says which key each query may read (the causal mask, over a cache or not).
+    """
     scores = jnp.einsum("bthq,bsq->bhts", q, k).astype(jnp.float32) / math.sqrt(config.head_dim)
-    causal = jnp.tril(jnp.ones((seq_len, seq_len), dtype=bool))
-    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(h.dtype)
+    scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     out = jnp.einsum("bhts,bsq->bthq", probs, v)
     return jnp.einsum("bthq,hqd->btd", out, layer["o"])
 
 
-def _mlp(layer: dict, h: jax.Array) -> jax.Array:
+def _attention(layer: dict, h: jax.Array, config: PalmConfig) -> jax.Array:
+    """Causal multi-query attention: n_heads query heads share one key and one value head."""
+    seq_len = h.shape[1]
+    q, k, v = project_qkv(layer, h, jnp.arange(seq_len), config)
+    return attend(layer, q, k, v, jnp.tril(jnp.ones((seq_len, seq_len), dtype=bool)), config)
+
+
+def mlp(layer: dict, h: jax.Array) -> jax.Array:
     """SwiGLU: down(swish(h @ gate) * (h @ up))."""
     return (jax.nn.silu(h @ layer["gate"]) * (h @ layer["up"])) @ layer["down"]
 
@@ -109,7 +127,7 @@ def _mlp(layer: dict, h: jax.Array) -> jax.Array:
 def block(layer: dict, x: jax.Array, config: PalmConfig) -> jax.Array:
     """One parallel block: attention and MLP read the same normalized input."""
     h = layer_norm(x, layer["norm"])
-    return x + _attention(layer, h, config) + _mlp(layer, h)
+    return x + _attention(layer, h, config) + mlp(layer, h)
 
 
 def embed_forward(embed: jax.Array, tokens: jax.Array, config: PalmConfig) -> jax.Array:

@@ -7,8 +7,8 @@ from examples.rl.task import Task
 
 
 def test_grpo_raises_the_reward_from_scratch() -> None:
-    result = local.run(model.CONFIGS["sort"], Task(length=5), steps=100, n_prompts=16, group_size=8, seed=0)
-    # a fresh policy places 3% of the digits; 100 on-policy steps place over ten times as many
+    result = local.run(model.CONFIGS["sort"], Task(length=5), steps=40, n_prompts=16, group_size=8, seed=0)
+    # a fresh policy places 3% of the digits; 40 on-policy steps place about eight times as many (0.26, greedy 0.31)
     assert result["reward_before"] < 0.15
-    assert result["reward_after"] > result["reward_before"] + 0.25
-    assert result["greedy_after"] > result["greedy_before"] + 0.25
+    assert result["reward_after"] > result["reward_before"] + 0.15
+    assert result["greedy_after"] > result["greedy_before"] + 0.15

@@ -52,6 +52,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
     dropped = done.get("sessions_dropped") or []
     say(f"resumed from {done['resumed']} in {done['seconds']:.1f}s: {done['buffers']} buffers "
         f"({done['bytes'] / 2**30:.3f} GiB) of {done['sessions']} sessions; attached clients go on"
-        + (f". Left out {len(dropped)} sessions (closed meanwhile, or their tenant was removed) and their "
-           f"{done.get('buffers_dropped', 0)} buffers" if dropped else ""))
+        + (f". Left out {len(dropped)} sessions (closed meanwhile, or their tenant was removed)" if dropped else "")
+        + (f". Left out {done['buffers_dropped']} buffers of sessions that ended meanwhile"
+           if done.get("buffers_dropped") else ""))
     return 0

@@ -95,7 +95,7 @@ def test_a_suspended_cluster_resumes_with_every_array_bitwise_and_calls_waiting_
     # Every saved buffer is restored, but those of sessions that ended meanwhile (a tenant of an earlier test whose
     # grace ran out while a busy machine resumed): they are counted apart.
     assert back["buffers"] + back["buffers_dropped"] == done["buffers"], (done, back)
-    assert back["bytes"] == done["bytes"] or back["sessions_dropped"], (done, back)
+    assert back["bytes"] == done["bytes"] or back["buffers_dropped"], (done, back)
     np.testing.assert_array_equal(waited["value"], held["y"] * 2 + 1)
     for name, arr in arrays.items():  # the handles are valid again and the islands hold the same bits
         np.testing.assert_array_equal(on_island(arr), held[name], err_msg=name)

@@ -329,6 +329,22 @@ def lingers(port: int) -> bool:
     return False
 
 
+def where(pid: int) -> str:
+    """What process ``pid`` is doing, from /proc (for a failure's message): each thread's state and kernel wait."""
+    tasks = Path(f"/proc/{pid}/task")
+    if not tasks.exists():
+        return f"process {pid} has exited"
+    out = []
+    for task in sorted(tasks.iterdir()):
+        try:
+            status = dict(line.split(":\t", 1) for line in (task / "status").read_text().splitlines() if ":\t" in line)
+            out.append(f"{status.get('Name', '?').strip()} {status.get('State', '?').strip()} "
+                       f"in {(task / 'wchan').read_text().strip() or '-'}")
+        except OSError:
+            continue
+    return f"process {pid} alive, threads: " + "; ".join(out)
+
+
 def leave_in_time_wait(port: int) -> None:
     """A connection to ``port`` that its server side closes first, as a stopped head's GCS does to its clients'
     (a `down` leaves some, depending on timing): it lingers in TIME-WAIT for a minute."""
@@ -369,8 +385,13 @@ def test_down_then_an_interrupted_up_is_cleaned_up_and_up_right_after_down_succe
         state = run.state()
         while len(head_processes(state)) < 2 and time.monotonic() < deadline:  # the head is starting: Ray's
             time.sleep(0.05)  # daemons run beside `ray start`, which must not outlive the interrupted `up`
+            state = run.state() or state  # (a busy machine's `up` may start the head again, in a new folder)
         proc.send_signal(sig)
-        proc.communicate(timeout=60)
+        try:
+            proc.communicate(timeout=90)
+        except subprocess.TimeoutExpired as exc:
+            pytest.fail(f"`pathways up` did not end within 90 s of signal {sig.name}: {where(proc.pid)}; state "
+                        f"{run.state()}; it printed {exc.stdout!r} {exc.stderr!r}")
         if sig == signal.SIGKILL:
             assert run.state()["phase"] == "starting" and head_processes(state)
             assert "interrupted `pathways up`" in run("down", timeout=60).stdout

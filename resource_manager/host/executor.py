@@ -77,6 +77,8 @@ class Executor:
         self._parking = Parking()  # under ``_lock``
         self.version = 0
         self._sleeping = False  # the loop waits on ``_cond``: what changes must notify it
+        self.passes = 0  # passes of the loop begun, under ``_lock``
+        self._settling = 0  # threads waiting in ``settle`` for the pass in progress to end, under ``_lock``
         self.completed = 0
         self.ops_run = 0
         self.busy_s = 0.0
@@ -144,6 +146,22 @@ class Executor:
             self._wake()
         self.handlers.stop()
 
+    def settle(self, timeout: float) -> bool:
+        """Wait, at most ``timeout`` seconds, until the loop has ended the pass it is in (if any): what that pass
+        finished is then reported and in the trace. An output can be seen ready before the pass that computed it
+        ends, so a trace stopped after it would otherwise miss its fragment. False if the pass went on longer."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            begun = self.passes
+            while not (self._sleeping or self._stopped or self.dead or self.passes != begun):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._settling += 1
+                self._cond.wait(left)
+                self._settling -= 1
+        return True
+
     def busy(self) -> int:
         """Runs admitted here and not finished (parked ones included)."""
         with self._lock:
@@ -164,6 +182,9 @@ class Executor:
             with self._lock:
                 if self._stopped:
                     return
+                self.passes += 1
+                if self._settling:
+                    self._cond.notify_all()
                 seen = self.version
                 runs = list(self.runs)
             progressed = False
@@ -185,6 +206,8 @@ class Executor:
             with self._lock:
                 if self.version == seen and not self._stopped:
                     self._sleeping = True
+                    if self._settling:
+                        self._cond.notify_all()
                     self._cond.wait(timeout=next_deadline(self.runs, self.op_timeout, until_expiry))
                     self._sleeping = False
 

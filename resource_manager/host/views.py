@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 from pathways.events import for_tenant
 from resource_manager.host.scheduler import NAMED
 
+SETTLE_S = 10.0  # a trace waits this long at most for a pass in progress (a long computation) to end
+
 if TYPE_CHECKING:
     from resource_manager.host.wiring import Parts
 
@@ -48,7 +50,9 @@ class HostViews:
         return token
 
     def trace_stop(self, client: int, tenant: str) -> list:
-        """The client's trace: its tenant's events by name, everyone else's as anonymous spans."""
+        """The client's trace: its tenant's events by name, everyone else's as anonymous spans. The executor's pass
+        in progress ends first, so every fragment whose output the client saw ready is in it."""
+        self.parts.executor.settle(SETTLE_S)
         with self._lock:
             token = self._tracers.pop(client, None)
         return for_tenant(self.parts.events.stop(token), tenant)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import jax
@@ -145,6 +146,32 @@ def test_a_dead_executor_fails_every_pending_and_future_wait(host):
     host.run(one(double, "later"), base=2000, inputs=(100,))
     with pytest.raises(pw.IslandFailedError):
         host.fetch(2001, timeout=0)
+
+
+def test_settle_waits_for_the_pass_that_computed_a_ready_output_so_a_trace_holds_its_fragment(host):
+    """An output is ready as its op ends, before the loop's pass reports and records the fragment: a trace stopped
+    right after the client saw it must wait for that pass (``settle``), or the fragment is missing from it."""
+    double = host.function(lambda v: v * 2.0, 1)
+    handler = host.handlers.by_op[Exec]
+    real, release = handler.run, threading.Event()
+
+    def then_hold(run, op, final):
+        out = real(run, op, final)
+        if run.label == "held":
+            release.wait(30)
+        return out
+
+    handler.run = then_hold
+    host.value(100, np.ones(4, np.float32))
+    token = host.executor.events.start()
+    host.run(one(double, "held"), base=1000, inputs=(100,))
+    np.testing.assert_allclose(host.fetch(1001), 2.0)  # ready, while its pass has not ended
+    assert host.executor.settle(0.2) is False
+    release.set()
+    assert host.executor.settle(10.0) is True
+    spans = [e for e in host.executor.events.stop(token) if e[1] == "fragment"]
+    assert [args["program"] for *_, args in spans] == ["held"]
+    assert host.executor.settle(0.0) is True  # asleep: nothing in progress
 
 
 def test_a_parked_receive_lets_the_order_move_on_and_resumes_with_its_data():

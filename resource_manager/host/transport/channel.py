@@ -46,6 +46,7 @@ MAX_MESSAGE = 1 << 20  # a deliver message names at most a few thousand shards
 MAX_DATA = 16 << 20  # frames carry only small arrays; large ones are lent
 MIN_LENT = 100 * 1024  # below this a peer gets the shards inside the frame: cheaper than a lease
 SEND_TIMEOUT_S = 10.0
+SOCKET_DIR = "pathways-host-"  # + the host's pid + "-": a host killed before it closed its channel is swept by the next
 _CREDENTIALS = struct.Struct("3i")  # pid, uid, gid of the connecting process
 log = logging.getLogger(__name__)
 
@@ -61,11 +62,41 @@ def _recv_exactly(conn: socket.socket, view: memoryview) -> bool:
     return True
 
 
+def sweep(tmp: str) -> int:
+    """Remove the socket folders in ``tmp`` that this user's hosts left when they were killed (a killed actor never
+    closes its channel): each names its host's pid, which no longer runs. Returns how many went."""
+    gone = 0
+    for name in os.listdir(tmp):
+        if not name.startswith(SOCKET_DIR):
+            continue
+        folder = os.path.join(tmp, name)
+        try:
+            pid = int(name[len(SOCKET_DIR):].split("-", 1)[0])
+            st = os.lstat(folder)
+            if st.st_uid != os.getuid() or not os.path.isdir(folder) or os.path.islink(folder):
+                continue
+            os.kill(pid, 0)
+        except ProcessLookupError:  # its host is gone: so is whatever listened on its socket
+            try:
+                for entry in os.listdir(folder):
+                    os.unlink(os.path.join(folder, entry))
+                os.rmdir(folder)
+                gone += 1
+            except OSError:
+                pass
+        except (ValueError, OSError):  # not a name of ours, or a process of someone else's
+            continue
+    return gone
+
+
 class Channel:
     """This host's socket: serves frames from allowed peers to ``handle`` and sends frames to peers' sockets."""
 
     def __init__(self, handle: Handler, allowed: Callable[[int], bool]) -> None:
-        self._dir = tempfile.mkdtemp(prefix="pathways-")  # mode 0700: only this user may reach the socket
+        tmp = tempfile.gettempdir()
+        sweep(tmp)
+        # mode 0700: only this user may reach the socket
+        self._dir = tempfile.mkdtemp(prefix=f"{SOCKET_DIR}{os.getpid()}-", dir=tmp)
         self.address = os.path.join(self._dir, "host.sock")
         self._handle = handle
         self._allowed = allowed

@@ -171,3 +171,26 @@ def test_sending_to_a_closed_peer_raises_so_the_caller_uses_ray(client):
     server.channel.close()
     with pytest.raises(OSError):
         client.send(address, b"hello")
+
+
+def test_the_socket_folders_of_killed_hosts_are_swept_and_no_other(tmp_path):
+    """A killed host never closes its channel: the next channel made on the machine removes the folder of each host
+    that no longer runs, and leaves a running host's, a folder of another name, and a link alone."""
+    import subprocess
+
+    dead = subprocess.Popen([sys.executable, "-c", ""])
+    dead.wait()
+    prefix = channel_module.SOCKET_DIR
+    killed, running = tmp_path / f"{prefix}{dead.pid}-a1", tmp_path / f"{prefix}{os.getpid()}-b2"
+    other, link = tmp_path / f"{prefix}x-c3", tmp_path / f"{prefix}{dead.pid}-d4"
+    for folder in (killed, running, other):
+        folder.mkdir()
+        (folder / "host.sock").touch()
+    link.symlink_to(running)
+    assert channel_module.sweep(str(tmp_path)) == 1
+    assert not killed.exists() and (running / "host.sock").exists() and other.exists() and link.is_symlink()
+    server = Server()
+    folder = os.path.dirname(server.channel.address)
+    assert os.path.basename(folder).startswith(f"{prefix}{os.getpid()}-")
+    server.channel.close()
+    assert not os.path.exists(folder)

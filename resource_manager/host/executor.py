@@ -219,6 +219,9 @@ class Executor:
             else:
                 gone = set(finished)
                 self.runs = [run for run in self.runs if run not in gone]
+            if self._parking.expecting:
+                for run in finished:
+                    self._parking.finished(run.seq)
             self.completed += sum(run.calls for run in finished)
 
     def _advance(self, run: Run) -> bool:
@@ -334,14 +337,39 @@ class Executor:
         self._record.blocked(run)
 
     def _park_behind(self, run: Run, op: Op) -> bool:
-        """Park ``run`` behind the parked run that will write a value ``op`` is missing, if there is one."""
+        """Park ``run`` behind the parked run that will write a value ``op`` is missing, if there is one. If that run
+        was resumed already (this host came to ``run`` after the resume), move ``run`` right behind it and the runs
+        that came back with it instead: where a host that parked it has it, so every host runs them in one order,
+        and where the value will be written (waiting in front of it would wait for ever)."""
         with self._lock:
-            producer = self._parking.producer(run.ids(op.reads()), self.table)
+            parking = self._parking
+            producer = parking.producer(run.ids(op.reads()), self.table)
             if producer is None:
                 return False
+            if not parking.is_parked(producer):
+                return self._move_behind(run, producer)
             self.runs.remove(run)
-            self._parking.park_behind(run, producer)
+            parking.park_behind(run, producer)
         self._record.blocked(run)  # it waits on another island too: it must not hold the window
+        return True
+
+    def _move_behind(self, run: Run, producer: int) -> bool:
+        """Move ``run`` right behind resumed run ``producer`` and the runs that came back (or were moved) behind it;
+        False if they are not after ``run`` (they are then on their way). Under ``_lock``."""
+        group = self._parking.returned(producer)
+        runs = self.runs
+        mine = runs.index(run)
+        at = next((k for k in range(mine + 1, len(runs)) if group and runs[k] is group[0]), None)
+        if at is None:
+            return False
+        del runs[mine]
+        at -= 1  # the resumed run's place, ``run`` being out
+        members = {id(r) for r in group}
+        while at + 1 < len(runs) and id(runs[at + 1]) in members:
+            at += 1
+        runs.insert(at + 1, run)
+        self._parking.join(producer, run)
+        self.version += 1
         return True
 
     # -- dying --------------------------------------------------------------------------------------------

@@ -199,6 +199,44 @@ def test_a_parked_receive_lets_the_order_move_on_and_resumes_with_its_data():
     host.executor.stop()
 
 
+def test_a_run_reached_only_after_its_producer_resumed_goes_behind_it_as_on_a_host_that_parked_it():
+    """A lagging host reaches a run that reads what a parked run will write only after that run's resume came: the
+    resumed run is behind it in the list, so waiting in front of it would wait for ever (and a host that parked the
+    reader behind it runs the two the other way round). It goes right behind the resumed run, as it would have."""
+    host = Host(strict=True)
+    inc = host.function(lambda v: v + 1.0, 1)
+    handler = host.handlers.by_op[Exec]
+    real, entered, release, ran = handler.run, threading.Event(), threading.Event(), []
+
+    def holding(run, op, final):
+        ran.append(run.label)
+        if run.label == "busy":
+            entered.set()
+            release.wait(30)
+        return real(run, op, final)
+
+    handler.run = holding
+    recv = Recv(1, "s1", (), Aval((4,), "float32"), 1, (Route(0, 0, (((0, 4),),)),))
+    use = Exec(inc, "s1", (1,), (2,), ((),), ((),), "inc")
+    receiving = host.run(Template("recv", 0, 3, {"s1": DESC}, (recv, use)), base=1000)
+    deadline = time.monotonic() + 10
+    while not receiving.parked and time.monotonic() < deadline:
+        time.sleep(0.01)
+    host.value(100, np.zeros(4, np.float32))
+    host.run(one(inc, "busy"), base=2000, inputs=(100,))  # holds the loop while the rest arrives
+    assert entered.wait(10)
+    reader = host.run(one(inc, "reader"), base=3000, inputs=(1002,))  # reads what the parked run will make
+    host.run(one(inc, "second"), base=4000, inputs=(3001,))  # and what the reader will make
+    host.receiver.deliver(Deliver(1001, 1, 0, (((0, 4),),)), (np.full(4, 5.0, np.float32),), (1, 0))
+    host.executor.resume(receiving.seq, 0)  # every host landed it: the resume comes before this one reached the reader
+    assert [r.label for r in host.executor.runs] == ["busy", "reader", "second", "recv"]
+    release.set()
+    np.testing.assert_allclose(host.fetch(4001), 8.0)  # within the op timeout (5 s): none waited in front
+    np.testing.assert_allclose(host.fetch(3001), 7.0)
+    assert ran[-3:] == ["recv", "reader", "second"] and not reader.parked  # the resumed run first, then its readers
+    host.executor.stop()
+
+
 def test_pieces_from_a_host_the_plan_does_not_name_are_refused(host):
     recv = Recv(1, "s1", (), Aval((4,), "float32"), 1, (Route(0, 0, (((0, 4),),)),))
     host.run(Template("recv", 0, 2, {"s1": DESC}, (recv,)), base=1000)

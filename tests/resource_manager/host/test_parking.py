@@ -30,7 +30,12 @@ def test_a_reader_of_what_a_parked_run_will_write_parks_behind_it_and_resumes_ri
     assert parking.producer(third.ids((0,)), table) == 0
     assert parking.resume(0, 0) == [writer, reader]
     assert not writer.parked and not reader.parked and writer.resumed_at == 0 and parking.count() == 0
+    # resumed, not finished: a host that reaches ``third`` only now must still find who will write its input
+    assert parking.producer(third.ids((0,)), table) == 0 and not parking.is_parked(0)
+    assert parking.returned(0) == [writer, reader] and parking.expecting
+    parking.finished(0)
     assert parking.producer(third.ids((0,)), table) is None  # what the writer would write is no one's future now
+    assert parking.returned(0) == [] and not parking.expecting
 
 
 def test_a_value_already_present_or_written_by_no_parked_run_parks_nothing():

@@ -360,6 +360,35 @@ def leave_in_time_wait(port: int) -> None:
     assert lingers(port)
 
 
+def interrupt_up(run: Cli, sig: signal.Signals, tries: int = 3) -> dict:
+    """Start `pathways up` and send it ``sig`` while it starts the Ray head (Ray's daemons run beside `ray start`,
+    and must not outlive the interrupted `up`); returns the state it had then. A busy machine may finish the start
+    before the signal lands (or start the head again, in a new folder): a start that finished is taken down and
+    tried again, since what is under test is an interrupted one."""
+    for _ in range(tries):
+        proc = subprocess.Popen([*run.command, "up", "--port", str(run.port), "--client-port", str(run.client_port),
+                                 *run.topology], cwd=run.workdir, env=run.env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        deadline, state = time.monotonic() + 90, None
+        while proc.poll() is None and time.monotonic() < deadline:
+            state = run.state() or state
+            if state and state["head_pid"] and state["phase"] == "starting" and len(head_processes(state)) >= 2:
+                break
+            time.sleep(0.05)
+        proc.send_signal(sig)
+        try:
+            _, err = proc.communicate(timeout=90)
+        except subprocess.TimeoutExpired as exc:
+            pytest.fail(f"`pathways up` did not end within 90 s of signal {sig.name}: {where(proc.pid)}; state "
+                        f"{run.state()}; it printed {exc.stdout!r} {exc.stderr!r}")
+        now = run.state()
+        if now is None or now["phase"] == "starting":
+            assert state and state["temp_dir"], f"`pathways up` ended before it started the head: {err}"
+            return state
+        assert "stopped the Ray head" in run("down", timeout=90).stdout  # it finished starting first: again
+    pytest.fail(f"`pathways up` finished starting before the signal each of {tries} times")
+
+
 def test_down_then_an_interrupted_up_is_cleaned_up_and_up_right_after_down_succeeds_at_once(tenants, alice_job):
     """The module's cluster, after the tests above ran tenants' jobs on it: `down` stops all of it; an `up` killed
     while it starts is cleaned up (Ctrl-C by itself, a kill by the next `down`); then an `up` at once on the same
@@ -376,22 +405,7 @@ def test_down_then_an_interrupted_up_is_cleaned_up_and_up_right_after_down_succe
     with pytest.raises(ConnectionRefusedError):  # nothing listens on the runtime's port any more
         socket.create_connection(("127.0.0.1", run.client_port), timeout=5).close()
     for sig in (signal.SIGINT, signal.SIGKILL):  # Ctrl-C cleans up itself; a kill leaves it to `down`
-        proc = subprocess.Popen([*run.command, "up", "--port", str(run.port), "--client-port",
-                                 str(run.client_port), *run.topology], cwd=run.workdir, env=run.env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + 60
-        while not (run.state() and run.state()["head_pid"]) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        state = run.state()
-        while len(head_processes(state)) < 2 and time.monotonic() < deadline:  # the head is starting: Ray's
-            time.sleep(0.05)  # daemons run beside `ray start`, which must not outlive the interrupted `up`
-            state = run.state() or state  # (a busy machine's `up` may start the head again, in a new folder)
-        proc.send_signal(sig)
-        try:
-            proc.communicate(timeout=90)
-        except subprocess.TimeoutExpired as exc:
-            pytest.fail(f"`pathways up` did not end within 90 s of signal {sig.name}: {where(proc.pid)}; state "
-                        f"{run.state()}; it printed {exc.stdout!r} {exc.stderr!r}")
+        state = interrupt_up(run, sig)
         if sig == signal.SIGKILL:
             assert run.state()["phase"] == "starting" and head_processes(state)
             assert "interrupted `pathways up`" in run("down", timeout=60).stdout

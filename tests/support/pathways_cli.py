@@ -41,8 +41,10 @@ class Cli:
         return proc
 
     def up(self, *extra: str, **kw) -> subprocess.CompletedProcess:
+        """`pathways up` of this home. A busy machine can make Ray's raylet miss its 30 s registration, and `up` then
+        starts the head again (three tries at most): the time allowed covers the three."""
         return self("up", "--port", str(self.port), "--client-port", str(self.client_port), *self.topology,
-                    "--timeout", "120", *extra, timeout=200, **kw)
+                    "--timeout", "240", *extra, timeout=330, **kw)
 
     def state(self, home: Path | None = None) -> dict | None:
         path = (home or self.home) / "cluster.json"

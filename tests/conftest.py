@@ -32,8 +32,8 @@ for _name in ("PATHWAYS_ADDRESS", "PATHWAYS_TENANT", "PATHWAYS_CREDENTIAL", "RAY
     os.environ.pop(_name, None)  # a Ray cluster named by RAY_ADDRESS would host the suite's runtime otherwise
 # One JAX compilation cache for the whole run, made by the process that starts it and inherited by the workers, the
 # island hosts of every cluster and the scripts tests start: the suite's clusters compile the same executables
-# (PaLM's step, the RL policy, the MoE layer) again and again; each is compiled once, which takes the suite from
-# about 9 to 7.5 minutes. A wrong executable would fail the bitwise comparisons. Tenants' jobs get none of it.
+# (PaLM's step, the RL policy, the MoE layer) again and again; each is compiled once (docs/performance.md has what
+# that saves). A wrong executable would fail the bitwise comparisons. Tenants' jobs get none of it.
 _JAX_CACHE = None if "JAX_COMPILATION_CACHE_DIR" in os.environ else tempfile.mkdtemp(prefix="pathways-tests-jax-")
 if _JAX_CACHE is not None:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _JAX_CACHE

@@ -366,9 +366,12 @@ def interrupt_up(run: Cli, sig: signal.Signals, tries: int = 3) -> dict:
     before the signal lands (or start the head again, in a new folder): a start that finished is taken down and
     tried again, since what is under test is an interrupted one."""
     for _ in range(tries):
+        # a suite started in the background of a shell inherits SIGINT ignored (POSIX), and `up` with it: Ctrl-C is
+        # what a user in a terminal sends, so `up` gets the terminal's disposition
         proc = subprocess.Popen([*run.command, "up", "--port", str(run.port), "--client-port", str(run.client_port),
                                  *run.topology], cwd=run.workdir, env=run.env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+                                stderr=subprocess.PIPE, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         deadline, state = time.monotonic() + 90, None
         while proc.poll() is None and time.monotonic() < deadline:
             state = run.state() or state

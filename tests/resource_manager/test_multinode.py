@@ -38,8 +38,8 @@ class Scenarios:
 
     def __getitem__(self, scenario: str) -> dict:
         if self._results is None:
-            try:
-                out, err = self.proc.communicate(timeout=600)
+            try:  # about 80 s on an idle 2-core machine, beside the other tests; a busy one takes many times that
+                out, err = self.proc.communicate(timeout=1200)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 out, err = self.proc.communicate()
@@ -47,8 +47,9 @@ class Scenarios:
             self._results = {line.get("scenario", "done"): line for line in lines}
             self._results["stderr"] = {"tail": err[-4000:], "rc": self.proc.returncode}
         if scenario not in self._results:
-            pytest.fail(f"scenario {scenario!r} did not report (exit {self.proc.returncode}):\n"
-                        f"{self._results['stderr']['tail']}")
+            reported = {k: v.get("seconds") for k, v in self._results.items() if k != "stderr"}
+            pytest.fail(f"scenario {scenario!r} did not report (exit {self.proc.returncode}; reported, with their "
+                        f"seconds: {reported}):\n{self._results['stderr']['tail']}")
         return self._results[scenario]
 
     def stop(self) -> None:

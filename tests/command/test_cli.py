@@ -360,18 +360,21 @@ def leave_in_time_wait(port: int) -> None:
     assert lingers(port)
 
 
+# `pathways ARGS` as from a terminal, where Ctrl-C raises KeyboardInterrupt: a suite started in the background of a
+# shell has SIGINT ignored (POSIX), and every process it starts inherits that
+WITH_CTRL_C = ("import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+               "runpy.run_module('command', run_name='__main__', alter_sys=True)")
+
+
 def interrupt_up(run: Cli, sig: signal.Signals, tries: int = 3) -> dict:
     """Start `pathways up` and send it ``sig`` while it starts the Ray head (Ray's daemons run beside `ray start`,
     and must not outlive the interrupted `up`); returns the state it had then. A busy machine may finish the start
     before the signal lands (or start the head again, in a new folder): a start that finished is taken down and
     tried again, since what is under test is an interrupted one."""
     for _ in range(tries):
-        # a suite started in the background of a shell inherits SIGINT ignored (POSIX), and `up` with it: Ctrl-C is
-        # what a user in a terminal sends, so `up` gets the terminal's disposition
-        proc = subprocess.Popen([*run.command, "up", "--port", str(run.port), "--client-port", str(run.client_port),
-                                 *run.topology], cwd=run.workdir, env=run.env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True,
-                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        proc = subprocess.Popen([sys.executable, "-c", WITH_CTRL_C, "up", "--port", str(run.port), "--client-port",
+                                 str(run.client_port), *run.topology], cwd=run.workdir, env=run.env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         deadline, state = time.monotonic() + 90, None
         while proc.poll() is None and time.monotonic() < deadline:
             state = run.state() or state

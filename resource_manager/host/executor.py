@@ -357,9 +357,11 @@ class Executor:
         """Move ``run`` right behind resumed run ``producer`` and the runs that came back (or were moved) behind it;
         False if they are not after ``run`` (they are then on their way). Under ``_lock``."""
         group = self._parking.returned(producer)
+        if not group:
+            return False
         runs = self.runs
         mine = runs.index(run)
-        at = next((k for k in range(mine + 1, len(runs)) if group and runs[k] is group[0]), None)
+        at = next((k for k in range(mine + 1, len(runs)) if runs[k] is group[0]), None)
         if at is None:
             return False
         del runs[mine]

@@ -122,7 +122,7 @@ def test_moe_layer_and_its_gradients_match_a_dense_reference():
     kept1, kept2 = _kept_masks(x, router, table)
     assert 0 < float(kept2.sum()) < G * S  # some second choices are dropped
     got = jax.jit(_moe, static_argnums=3)(x, router, experts, table)
-    want = _dense_moe(x, router, experts, kept1, kept2)
+    want = jax.jit(_dense_moe)(x, router, experts, kept1, kept2)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     dropped = np.asarray((kept1 + kept2) == 0)
     if dropped.any():  # a token both of whose choices were dropped gets nothing: it passes on the residual
@@ -130,7 +130,7 @@ def test_moe_layer_and_its_gradients_match_a_dense_reference():
 
     cot = jax.random.normal(jax.random.key(4), (G, S, D))
     grad = jax.jit(jax.grad(lambda *a: jnp.sum(_moe(*a, table) * cot), argnums=(0, 1, 2)))
-    want_grad = jax.grad(lambda *a: jnp.sum(_dense_moe(*a, kept1, kept2) * cot), argnums=(0, 1, 2))
+    want_grad = jax.jit(jax.grad(lambda *a: jnp.sum(_dense_moe(*a, kept1, kept2) * cot), argnums=(0, 1, 2)))
     got_g, want_g = grad(x, router, experts), want_grad(x, router, experts)
     for a, b in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g)):
         assert float(jnp.max(jnp.abs(b))) > 0

@@ -29,8 +29,9 @@ tenant's credential (PATHWAYS_CREDENTIAL). No client says what its weight is.
    phases and 5 s stretches in which every client kept work queued (fair share promises shares to
    backlogged tenants; how many stretches were left out, and the errors counting them, are printed just
    before); J: the lowest Jain's index (sum x)^2 / (n sum x^2) of the equal-weight phase. Goal: S = 0,
-   E <= 2%, W <= 5%, J >= 0.99. The JSON keeps each run's readings (island time per tenant) and each tenant's
-   ``lag_s`` (island seconds ahead of its share) at every reading, to see where a run missed.
+   E <= 2%, W <= 5%, J >= 0.99. The JSON keeps each run's readings (island time per tenant) and where each tenant
+   stood at every reading (``lag_s``: island seconds ahead of its share; queued; in flight), to see where a run
+   missed.
 2. N concurrent clients (separate processes, one tenant each, equal weights)
    running small computations: aggregate computations/s next to one client
    alone (target: aggregate >= one client's). Pathways saw several clients push
@@ -230,7 +231,7 @@ class Sampler:
         self.admin, self.every = admin, every
         self.readings: list[tuple[float, dict[str, float]]] = []
         self.idle: list[tuple[float, dict[str, float]]] = []
-        self.lags: list[tuple[float, dict[str, float]]] = []
+        self.tenants: list[tuple[float, dict[str, dict]]] = []  # where each tenant stands, as the scheduler says
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -241,7 +242,7 @@ class Sampler:
                 (island0,) = [s for s in self.admin.schedules() if s["island"] == 0]
                 now = time.time()
                 self.readings.append((now, island0["tenant_time_s"]))
-                self.lags.append((now, {t: v["lag_s"] for t, v in island0.get("tenants", {}).items()}))
+                self.tenants.append((now, island0.get("tenants", {})))
                 self.idle.append((now, {t: v["idle_s"] for t, v in island0.get("tenants", {}).items()}))
             except Exception:  # a slow moment of the resource manager: the next reading will do
                 pass
@@ -321,7 +322,7 @@ def fair_share(admin, seconds: float, startup: float, niceness: int, sub_window:
     sampler.stop()
     results = {t.name: t.finish(seconds + 120) for t in tenants}
     run = {"startup_s": took, "measured_s": seconds * 0.6, "phases": [], "readings": sampler.readings,
-           "lags": sampler.lags, "windows_at": [p["window"] for p in phases]}
+           "tenants": sampler.tenants, "windows_at": [p["window"] for p in phases]}
     for k, phase in enumerate(phases):
         _, _, measure_from, measure_to = phase["window"]
         weights = phase["weights"]

@@ -33,7 +33,6 @@ from benchmarks.common import Table, median, timed
 
 CHUNK = 4 << 20  # bytes per copy call, as the runtime's read path cuts them
 DEVICES = 4
-HUGE_PAGES = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1", "MALLOC_ARENA_MAX": "1"}  # as island hosts run
 
 
 def _halves(nbytes: int, threads: int) -> list[tuple[int, int]]:
@@ -81,16 +80,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.holder:
         holder(nbytes, *args.holder)
         return 0
+    from pathways.topology import Topology
     from resource_manager.host.buffer_pool import aligned_empty
     from resource_manager.host.transport import direct
+    from resource_manager.island import host_runtime_env
 
     if not direct.readable():
         print("this platform has no process_vm_readv: nothing to measure")
         return 0
     to_holder, from_us = os.pipe()
     from_holder, to_us = os.pipe()
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}", JAX_PLATFORMS="cpu",
-               **HUGE_PAGES)
+    env = dict(os.environ, **host_runtime_env(Topology(islands=1, devices_per_host=DEVICES))["env_vars"])
     proc = subprocess.Popen([sys.executable, "-m", "benchmarks.copy_ceiling", "--mib", str(args.mib), "--holder",
                              str(to_holder), str(to_us)], pass_fds=(to_holder, to_us), env=env)
     os.close(to_holder)

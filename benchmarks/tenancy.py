@@ -230,7 +230,6 @@ class Sampler:
     def __init__(self, admin, every: float = 0.5) -> None:
         self.admin, self.every = admin, every
         self.readings: list[tuple[float, dict[str, float]]] = []
-        self.idle: list[tuple[float, dict[str, float]]] = []
         self.tenants: list[tuple[float, dict[str, dict]]] = []  # where each tenant stands, as the scheduler says
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -243,10 +242,14 @@ class Sampler:
                 now = time.time()
                 self.readings.append((now, island0["tenant_time_s"]))
                 self.tenants.append((now, island0.get("tenants", {})))
-                self.idle.append((now, {t: v["idle_s"] for t, v in island0.get("tenants", {}).items()}))
             except Exception:  # a slow moment of the resource manager: the next reading will do
                 pass
             self._stop.wait(self.every)
+
+    @property
+    def idle(self) -> list[tuple[float, dict[str, float]]]:
+        """Per reading, the seconds each tenant had nothing queued or in flight so far."""
+        return [(t, {name: v["idle_s"] for name, v in tenants.items()}) for t, tenants in self.tenants]
 
     def stop(self) -> None:
         self._stop.set()
@@ -266,10 +269,10 @@ class Sampler:
     def windows(self, start: float, end: float, length: float) -> list[tuple[dict[str, float], dict[str, float]]]:
         """Island seconds and idle seconds per tenant in every ``length``-second stretch of [start, end], one per
         reading."""
-        out = []
+        out, idle_readings = [], self.idle
         for t, _ in self.readings:
             if start - self.every / 2 <= t and t + length <= end + self.every / 2:
-                used, idle = self.used(t, t + length), self.used(t, t + length, self.idle)
+                used, idle = self.used(t, t + length), self.used(t, t + length, idle_readings)
                 if used is not None:
                     out.append((used, idle or {}))
         return out

@@ -68,26 +68,46 @@ class FairClock:
         if tenant in self.admitting:
             self.admitted(tenant, self.admitting[tenant][1])
 
-    def wake(self, tenant: str, vtime: float, active: set[str], flights: Iterable[Flight]) -> None:
-        """``tenant`` had nothing queued or in flight and now has (``active``: the tenants that have, itself
-        aside; ``vtime``: the virtual time now). A new tenant starts where the others are, and one that comes back
-        at most its share of ``credit_s`` of island time behind them, whatever it did not use while away. Where the
-        others are is where their places in flight end (by their estimates): a place released before it came is
-        no debt of theirs to it (a tenant alone on the island may have a window's worth running, and a weight-1
-        tenant would wait 14 times that among 1:2:4:8 if its pass said so), and tenants that came back with it and
-        have nothing in flight yet do not pull the start of the next one back by their credit."""
+    def wake(self, tenant: str, vtime: float, queued: set[str], active: set[str], flights: Iterable[Flight]) -> None:
+        """``tenant`` had nothing queued and now has (``queued``: the tenants with work queued, a held one aside;
+        ``active``: those with work queued or in flight; ``vtime``: the virtual time now). A new tenant starts where
+        the others are, and one that comes back, or had only places in flight, at most its share of ``credit_s`` of
+        island time behind them (where its own places in flight end, if it has any), whatever it did not use while
+        it asked for nothing.
+
+        Where the others are is where the places in flight of the first of those with work queued end (by their
+        estimates): they compete with it from now on. With none queued, where the last place in flight ends: a
+        place released before it came is no debt of theirs to it (a tenant alone on the island may have a window's
+        worth running, and a weight-1 tenant would wait 14 times that among 1:2:4:8 if its pass said so). Not where
+        the first place in flight ends: a tenant with a few places in flight and nothing queued does not stand
+        where the others compete, and a tenant that filled the window meanwhile would owe that window to every
+        tenant that came after. Tenants that came back with it and have nothing in flight yet do not pull the
+        start back by their credit. Once those places complete it starts where they really ended
+        (``started_after``), and so where the places that tenant itself started from really ended: on a fresh
+        island the first window's estimates may be three times what it takes, and a tenant that started from one
+        that started from that window would otherwise stay ahead by the difference."""
         self.usage.woke(tenant)
         flights = list(flights)
-        flying = {f.tenant: self.passes[f.tenant] + self.owed.get(f.tenant, 0.0) for f in flights}
-        first = min(flying, key=flying.__getitem__, default=None)
-        weights = self.weight(tenant) + sum(self.weight(t) for t in active if t in self.passes)
-        floor = max(vtime, flying[first] if first else vtime) - self.credit_s / weights
+        ends: dict[str, float] = {}
+        for flight in flights:
+            if flight.tenant != tenant:
+                ends[flight.tenant] = self.passes[flight.tenant] + self.owed.get(flight.tenant, 0.0)
+        waiting = {t: end for t, end in ends.items() if t in queued}
+        if waiting:
+            anchor: str | None = min(waiting, key=waiting.__getitem__)
+            at = waiting[anchor]
+        else:
+            anchor = max(ends, key=ends.__getitem__, default=None)
+            at = ends[anchor] if anchor is not None else vtime
+        weights = self.weight(tenant) + sum(self.weight(t) for t in active if t != tenant and t in self.passes)
+        floor = max(vtime, at) - self.credit_s / weights
         before = self.passes.get(tenant, vtime)
-        self.passes[tenant] = max(before, floor)
-        if first is not None and flying[first] > vtime and floor > before:
+        own = self.owed.get(tenant, 0.0)  # its own places in flight: they are charged when they complete
+        self.passes[tenant] = max(before, floor - own)
+        if anchor in ends and at > vtime and floor > before + own:
             for flight in flights:  # where they really end is known once they complete
-                if flight.tenant == first:
-                    flight.came = [*(flight.came or ()), tenant]
+                if flight.tenant == anchor or flight.came and anchor in flight.came:  # and where it really started
+                    flight.came = [*flight.came, tenant] if flight.came else [tenant]
 
     def virtual_time(self, active: Iterable[str]) -> float:
         """The lowest pass among ``active`` tenants (those with work queued or in flight, a throttled tenant

@@ -21,13 +21,18 @@ A template never measured yet has at most one fragment of its tenant in flight.
 
 Virtual time. The island's virtual time is the lowest pass, counting measured
 time only, among tenants with work queued or in flight. A new tenant starts
-there, or where the places in flight then end if that is later (the lowest
-pass plus estimate among tenants with places in flight: work released before
-it came is no debt owed to it; once those places complete, where they really
-ended), so its first fragment goes at the next release.
-One that comes back after it was idle starts at most its weight's share of
-``credit_s`` seconds of island time (one quantum, the window's worth) behind
-that: like a sleeper in a
+there, or where the others' places in flight then end if that is later: those
+of the first (lowest pass plus estimate) among tenants with work queued, or,
+with none queued, the last to end (work released before it came is no debt
+owed to it; once those places complete, where they really ended), so its first
+fragment goes at the next release. Not where the first place in flight ends:
+on a busy machine a phase's clients send their first calls at different
+moments, and a tenant with a call or two in flight and nothing queued would
+make a window another filled alone meanwhile a debt to every tenant after it.
+One that comes back after it was idle, or that had places in flight but
+nothing queued (only work queued competes), starts (where its own places end)
+at most its weight's share of ``credit_s`` seconds of island time (one
+quantum, the window's worth) behind that: like a sleeper in a
 stride or fair-queuing scheduler it goes first for a moment, which keeps the
 latency of a tenant that sends now and then low, but it cannot come back to a
 burst as long as it was away while everyone else waits. When the island has
@@ -213,8 +218,8 @@ class Scheduler:
             queues = self._queues
             for entry in entries:
                 queue = queues.get(entry.tenant)
-                if queue is None:
-                    self._wake(entry.tenant)
+                if queue is None:  # only work queued competes: a tenant that had none banks no more than a credit
+                    self._start(entry.tenant)
                     queue = queues[entry.tenant] = deque()
                 queue.append(entry)
             if self._throttled:  # a throttled tenant's new work may be due later: ``wait_due`` must look again
@@ -241,7 +246,15 @@ class Scheduler:
     def _wake(self, tenant: str) -> None:
         """A tenant with nothing queued or in flight starts where the others are (``FairClock.wake``)."""
         if not self._active(tenant):
-            self._clock.wake(tenant, self._virtual_time(), self._actives(), self._inflight.values())
+            self._start(tenant)
+
+    def _start(self, tenant: str) -> None:
+        """The tenant had nothing queued (nothing at all, or only places in flight) and now has: it starts where the
+        others are, at most its share of the credit behind them (``FairClock.wake``)."""
+        queued = set(self._queues)
+        if self._throttled:
+            queued -= self._throttles.held(time.monotonic())
+        self._clock.wake(tenant, self._virtual_time(), queued, self._actives(), self._inflight.values())
 
     def _virtual_time(self) -> float:
         """The island's virtual time (``FairClock.virtual_time``), a throttled tenant's pass aside while it is

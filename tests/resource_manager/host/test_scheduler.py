@@ -800,3 +800,38 @@ def test_work_in_flight_that_ran_over_its_estimate_when_others_came_is_no_debt_e
     solo = island.log[1][1]  # the end of its two groups
     assert island.log[1][1] - island.log[0][0] > 3 * 32 * 8e-4  # its two groups did run slow
     assert island.time("w1", solo + 0.1, solo + 0.6) == pytest.approx(0.5 / 15, rel=0.15)
+
+
+def test_a_window_filled_while_another_tenant_had_only_places_in_flight_is_no_debt_either():
+    """On a busy machine the clients of a phase's tenants send their first calls at different moments: here w8's first
+    two calls are in flight, and nothing of it queued, when w1 fills the window alone. The tenants that come next
+    (and w8, when its next calls come) start where the window ends, not where w8's two calls do: counted from there,
+    the window was a debt of w1 to each of them, and w1 got nothing for 14 times as long."""
+    weights = {"w1": 1.0, "w2": 2.0, "w4": 4.0, "w8": 8.0}
+    scheduler, clients = weighted(weights, 8e-4)
+    island = Island(scheduler, lambda tenant, _: 8e-4)
+    island.queue([admitted(clients["w8"], "w8", k) for k in range(1, 3)])  # w8's first two: in flight, none queued
+    island.queue([admitted(1, "w1", k) for k in range(1, 20000)])  # w1 alone in the queue: two whole groups go
+    assert len(calls_of(island.pending)) >= 34
+    for tenant in ("w2", "w4", "w8"):  # the others' work comes while those are in flight (w8's calls included)
+        island.queue([admitted(clients[tenant], tenant, k) for k in range(3, 20000)])
+    island.run(1.0)
+    assert [t for *_, t, _ in island.log[:3]] == ["w8", "w1", "w1"]  # w8's two calls went as one group
+    solo = island.log[2][1]  # the end of w1's two groups
+    assert island.time("w1", solo + 0.1, solo + 0.6) == pytest.approx(0.5 / 15, rel=0.15)  # its share, at once
+
+
+def test_a_tenant_whose_queue_ran_empty_starts_again_where_its_places_in_flight_end():
+    """A tenant whose queue ran empty while its window flew, and that then gets more work, is held to at most its
+    credit behind the others from where its places in flight end, not from its pass: those places are charged when
+    they complete, and counted twice it would be put behind by its own window."""
+    scheduler = Scheduler(0, 1, group=32, credit_s=0.01)
+    measured(scheduler, {"a": 1, "b": 2}, busy=8e-4)
+    island = Island(scheduler, lambda tenant, _: 8e-4)
+    island.queue([admitted(1, "a", k) for k in range(1, 41)])  # alone: all 40 go at once, nothing left queued
+    assert len(calls_of(island.pending)) == 40
+    island.queue([admitted(2, "b", k) for k in range(1, 20000)])
+    island.queue([admitted(1, "a", k) for k in range(41, 20000)])  # a's queue had run empty; its window still flies
+    island.run(0.5)
+    solo = max(end for _, end, tenant, _ in island.log[:4] if tenant == "a")  # the end of a's first window
+    assert island.time("a", solo, solo + 0.2) == pytest.approx(0.1, rel=0.1)  # half, at once

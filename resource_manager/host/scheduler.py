@@ -3,8 +3,11 @@
 It lives in the island's host 0 (``resource_manager.host``), after admission
 (``resource_manager.host.admission``), which has put each client's messages back in
 order and checked them. Messages wait in one queue per tenant. Up to
-``window`` fragments, and about ``window_s`` seconds of estimated island time,
-are in flight on the island; the next one comes from the tenant with the
+``window`` fragments, and about ``window_s`` seconds of estimated island time
+(half that, ``shared_window_s``, while several tenants have work queued: what
+a tenant has in flight is charged at once when it completes, so it is how far
+its charged time can be from its share at any moment), are in flight on the
+island; the next one comes from the tenant with the
 lowest *pass* (stride scheduling: a tenant's pass grows by the island time it
 used divided by its weight), so busy tenants share the island in proportion
 to their weights. Each released message gets the next sequence number; every
@@ -100,7 +103,7 @@ from resource_manager.host.throttle import Throttles
 from resource_manager.host.usage import Usage
 
 FIRST_ESTIMATE_S = 1e-3  # what a fragment of a template never measured counts against the window
-SHARED_PART = 0.5  # the part, as a fraction of ``part_s``, that tenants waiting for the island share by weight
+SHARED_PART = 0.5  # the part (and window), as a fraction of ``part_s`` (``window_s``), tenants waiting share by weight
 GROUP = 32  # the calls a running island's scheduler releases as one group, at most
 NAMED = ("tenant_time_s", "tenant_time_recent_s", "fragments", "weights", "tenants")  # stats that name tenants
 
@@ -172,6 +175,7 @@ class Scheduler:
         self.window, self.window_s, self.eager = window, window_s, eager
         self.part_s = window_s / 2 if part_s is None else part_s
         self.shared_part_s = self.part_s * SHARED_PART
+        self.shared_window_s = window_s * SHARED_PART
         self.first_part_ops = first_part_ops
         self.group = max(1, group)
         self._inflight_s = 0.0  # the estimates of the fragments in flight
@@ -331,8 +335,9 @@ class Scheduler:
         queues, inflight, costs, over_cap = self._queues, self._inflight, self._costs.per_op, self._costs.over
         clock = self._clock
         passes, owes, weights = clock.passes, clock.owed, clock.weights
-        window, window_s = self.window, self.window_s
-        while self._inflight_calls < window and (not inflight or self._inflight_s < window_s):
+        window, window_s, shared_s = self.window, self.window_s, self.shared_window_s
+        while self._inflight_calls < window and (not inflight or
+                                                 self._inflight_s < (window_s if len(queues) < 2 else shared_s)):
             span = self.part_s  # the island time one place of the tenant's may take, by its estimate
             if len(queues) == 1:  # one tenant with work: no one to choose between (the common case, kept cheap)
                 tenant = next(iter(queues))

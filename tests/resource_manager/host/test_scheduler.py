@@ -170,6 +170,19 @@ def test_the_window_also_bounds_the_estimated_island_time_in_flight():
     assert len(scheduler.queue([admitted(1, "a", k) for k in range(10)])) == 3
 
 
+def test_while_several_tenants_have_work_queued_the_window_is_halved():
+    """What a tenant has in flight is charged when it completes, all at once: it is how far its charged time can be
+    from its share at any moment, so while tenants wait for each other half the window's island time goes at once."""
+    # the template takes 1 ms: alone, 6 ms admit six; with another tenant waiting, 3 ms admit three
+    scheduler = Scheduler(0, 1, window=64, window_s=0.006, eager=100)
+    measured(scheduler, {"a": 1, "b": 2})
+    assert len(scheduler.queue([admitted(1, "a", k) for k in range(10)])) == 6
+    scheduler = Scheduler(0, 1, window=64, window_s=0.006, eager=100)
+    measured(scheduler, {"a": 1, "b": 2})
+    released = scheduler.queue([admitted(1, "a", k) for k in range(10)] + [admitted(2, "b", k) for k in range(10)])
+    assert len(released) == 3 and set(tenants_of(released)) == {"a", "b"}
+
+
 def test_a_lone_fragment_longer_than_the_window_still_runs():
     scheduler = Scheduler(0, 1, window=64, window_s=0.001, eager=100)
     measured(scheduler, {"a": 1}, busy=5.0)  # the template's estimate is far over the window

@@ -2,11 +2,11 @@
 
 A tenant's *pass* is the island time it was charged divided by its weight; the next place in the order goes to
 the tenant with work whose pass, plus what its places in flight owe by their estimates, is lowest (stride
-scheduling). The island's *virtual time* is the lowest pass among tenants with work: a tenant that wakes starts
-there (or where the places in flight then end), at most its weight's share of ``credit_s`` behind it, and when the
-island has nothing to do every tenant starts the next busy period level. The rules, and why, are in
-``resource_manager.host.scheduler``'s docstring; this part holds the numbers. Not thread-safe: the scheduler's
-lock guards it.
+scheduling). The island's *virtual time* is the lowest pass among tenants with work: a tenant whose work comes
+starts there (or where the places in flight of those waiting then end), at most its weight's share of ``credit_s``
+behind it, and when the island has nothing to do every tenant starts the next busy period level. The rules, and
+why, are in ``resource_manager.host.scheduler``'s docstring; this part holds the numbers. Not thread-safe: the
+scheduler's lock guards it.
 """
 
 from __future__ import annotations

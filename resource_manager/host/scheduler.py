@@ -103,7 +103,7 @@ from resource_manager.host.throttle import Throttles
 from resource_manager.host.usage import Usage
 
 FIRST_ESTIMATE_S = 1e-3  # what a fragment of a template never measured counts against the window
-SHARED_PART = 0.5  # the part (and window), as a fraction of ``part_s`` (``window_s``), tenants waiting share by weight
+SHARED_PART = 0.5  # while tenants wait: the fraction of ``part_s`` they share by weight, and of ``window_s`` in flight
 GROUP = 32  # the calls a running island's scheduler releases as one group, at most
 NAMED = ("tenant_time_s", "tenant_time_recent_s", "fragments", "weights", "tenants")  # stats that name tenants
 
@@ -159,7 +159,7 @@ class _Flight:
     ops: int
     unmeasured: bool
     calls: int = 1  # a group's calls, each a fragment of the window
-    came: list[str] | None = None  # tenants that woke while it flew and started where it would end (by estimate)
+    came: list[str] | None = None  # tenants that started where it would end (by estimate), or from one that did
 
 
 class Scheduler:

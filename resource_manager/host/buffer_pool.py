@@ -14,6 +14,7 @@ exactly when the memory is free, whatever views were made of it.
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 from collections import OrderedDict
@@ -23,6 +24,8 @@ import numpy as np
 
 ALIGNMENT = 64  # jax.device_put on CPU adopts 64-byte aligned numpy buffers without a copy
 _UNUSED_REFS = 3  # the pool's list, the loop variable, sys.getrefcount's argument
+COLLECT_EVERY = 64  # takes between scans for freed buffers while every take finds a free one of its size (a scan of
+# every buffer in use on each take cost a weight sync more than its reads); a take that finds none scans at once
 
 
 def _aligned(raw: np.ndarray, nbytes: int, shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
@@ -34,7 +37,7 @@ def aligned_empty(shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
     """An uninitialized array whose data starts on a 64-byte boundary: jax.device_put on CPU adopts such
     a buffer without copying, while numpy's own (16-byte aligned) allocations take XLA's slow copy."""
     dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    nbytes = math.prod(int(n) for n in shape) * dtype.itemsize
     return _aligned(np.empty(nbytes + ALIGNMENT, dtype=np.uint8), nbytes, shape, dtype)
 
 
@@ -50,6 +53,7 @@ class BufferPool:
         self._used: list[np.ndarray] = []
         self._free: OrderedDict[int, list[np.ndarray]] = OrderedDict()
         self.free_bytes = 0
+        self._takes = 0
         self.reused = 0
         self.allocated = 0
 
@@ -57,10 +61,12 @@ class BufferPool:
         """An uninitialized, 64-byte aligned array of ``shape`` and ``dtype``, reusing a free allocation of its size
         when there is one."""
         dtype = np.dtype(dtype)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        nbytes = math.prod(int(n) for n in shape) * dtype.itemsize
         size = nbytes + ALIGNMENT
         with self._lock:
-            self._collect()
+            self._takes += 1
+            if not self._free.get(size) or self._takes >= COLLECT_EVERY:
+                self._collect()
             spare = self._free.get(size)
             if spare:
                 raw = spare.pop()
@@ -75,6 +81,7 @@ class BufferPool:
         return _aligned(raw, nbytes, shape, dtype)
 
     def _collect(self) -> None:
+        self._takes = 0
         used, self._used = self._used, []
         for raw in used:
             if sys.getrefcount(raw) > _UNUSED_REFS:

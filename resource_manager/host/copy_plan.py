@@ -58,9 +58,9 @@ class CopyPlan:
         """Memory the plan's offsets take (what the host's cache of plans counts)."""
         return sum(c.outs.nbytes + c.local.nbytes + c.remote.nbytes for c in self.calls)
 
-    def run(self, pieces: Sequence[Lent], buffers: Sequence[np.ndarray]) -> int:
-        """Fill ``buffers`` (one per region, C-contiguous) from ``pieces`` (in the order planned); returns the bytes
-        read. OSError if a sender's memory cannot be read (it died)."""
+    def reads(self, pieces: Sequence[Lent], buffers: Sequence[np.ndarray]) -> list[tuple]:
+        """The read calls that fill ``buffers`` (one per region, C-contiguous) from ``pieces`` (in the order
+        planned), for ``direct.read_all``: the planned offsets moved to where the buffers and pieces are."""
         bases = np.array([b.ctypes.data for b in buffers], dtype=np.int64)
         calls = []
         for call in self.calls:
@@ -72,7 +72,12 @@ class CopyPlan:
             remote[:, 0] = piece.addr + call.remote[:, 0]
             remote[:, 1] = call.remote[:, 1]
             calls.append((piece.pid, local, remote, call.nbytes))
-        read_all(calls)
+        return calls
+
+    def run(self, pieces: Sequence[Lent], buffers: Sequence[np.ndarray]) -> int:
+        """Fill ``buffers`` from ``pieces`` (as ``reads``); returns the bytes read. OSError if a sender's memory
+        cannot be read (it died)."""
+        read_all(self.reads(pieces, buffers))
         return self.nbytes
 
 

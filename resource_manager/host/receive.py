@@ -17,7 +17,10 @@ Shards lent by a sender on this node are copied as soon as all of a receive's
 pieces are here and its recv op was admitted (``expect`` with the landing),
 on a landing thread, while the executor still works through earlier ops: a
 weight sync's many receives then copy while the executor spends its time on
-each op's bookkeeping, instead of after it. The landed array counts against
+each op's bookkeeping, instead of after it. A landing thread takes every
+receive that is ready when it comes free (up to ``BATCH_BYTES``) and lands
+them as one unit (``transfer.assemble_lent``): one hand-off for the lot, the
+cores copying across the receives' boundaries. The landed array counts against
 the tenant's ``parked_bytes`` until its recv op takes it (over that budget it
 waits for the op, which lands it then).
 
@@ -33,7 +36,7 @@ import logging
 import math
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -47,14 +50,15 @@ from pathways.messages import Deliver
 from pathways.ops import MAX_SHARDS, Expect, Recv, Region
 from resource_manager.host.buffer_pool import BufferPool
 from resource_manager.host.buffers import BufferTable, Failure
-from resource_manager.host.transfer import PLANS, Landing, assemble
+from resource_manager.host.transfer import PLANS, Landing, assemble, assemble_lent
 from resource_manager.host.transport.direct import Lent
 from resource_manager.host.transport.peers import Peers
 
 Sender = tuple[int, int]  # (island, host)
 MAX_MAILBOXES = 1 << 16
 FINISHED = 1 << 16  # receive ids remembered as done, so late pieces go straight back
-LANDERS = 2  # receives landed ahead of their op at once (one copies while the other hands its buffers to JAX)
+LANDERS = 2  # batches landed ahead of their ops at once (one copies while the other hands its buffers to JAX)
+BATCH_BYTES = 64 << 20  # the most bytes a landing thread takes at once (more wait for the next batch)
 log = logging.getLogger(__name__)
 
 
@@ -111,12 +115,15 @@ class Receiver:
         self._landed: list[tuple[int, int]] = []
         self._ready: dict[int, tuple[frozenset[Sender], int, Landing]] = {}  # admitted: senders, count, landing
         self._landing: dict[int, Future] = {}  # receives whose lent pieces are being copied ahead of their op
+        self._queued: deque[tuple[int, Landing, dict, Future]] = deque()  # of those, the ones no lander took yet
+        self._draining = 0  # landing threads at work
         self._landers = ThreadPoolExecutor(max_workers=LANDERS, thread_name_prefix="landing")
         self.failed_islands: set[int] = set()
         self.bytes_in = 0
         self.bytes_in_direct = 0
         self.refused = 0
         self.early = 0  # receives landed ahead of their op
+        self.batches = 0  # landings of ready receives as one unit
 
     # -- filing -------------------------------------------------------------------------------------------
     def deliver(self, msg: Deliver, pieces: Sequence[Any], sender: Sender) -> None:
@@ -187,7 +194,43 @@ class Receiver:
             return  # its op lands it, under the host_bytes budget it checks then
         box.nbytes += landing.nbytes
         held[1] += landing.nbytes
-        self._landing[key] = self._landers.submit(assemble, landing, pieces, self.pool.take)
+        future = self._landing[key] = Future()
+        self._queued.append((key, landing, pieces, future))
+        if self._draining < LANDERS:
+            self._draining += 1
+            self._landers.submit(self._drain)
+
+    def _drain(self) -> None:
+        """Land queued receives, all that are queued at once (up to ``BATCH_BYTES``), until none are left."""
+        while True:
+            with self._lock:
+                batch: list[tuple[int, Landing, dict, Future]] = []
+                nbytes = 0
+                while self._queued and (not batch or nbytes + self._queued[0][1].nbytes <= BATCH_BYTES):
+                    item = self._queued.popleft()
+                    if item[3].set_running_or_notify_cancel():  # not dropped, nor taken by its op, while it waited
+                        batch.append(item)
+                        nbytes += item[1].nbytes
+                if not batch and not self._queued:
+                    self._draining -= 1
+                    return
+            self._land(batch)
+
+    def _land(self, batch: list[tuple[int, Landing, dict, Future]]) -> None:
+        """Land ``batch`` as one unit; if that fails, each receive on its own, so only the one whose sender failed
+        fails (its op raises the error)."""
+        try:
+            arrays = assemble_lent([(landing, pieces) for _, landing, pieces, _ in batch], self.pool.take)
+        except Exception as exc:  # for its recv op to raise
+            if len(batch) > 1:
+                for item in batch:
+                    self._land([item])
+            else:
+                batch[0][3].set_exception(exc)
+            return
+        self.batches += 1
+        for (_, _, _, future), array in zip(batch, arrays):
+            future.set_result(array)
 
     def _refuse(self, key: int, pieces: Sequence[Any], error: Exception) -> None:
         """Refuse what arrived for ``key`` over its tenant's budget; its receive fails with ``error`` when it
@@ -232,7 +275,9 @@ class Receiver:
         if self.peers.network is not None:  # late pieces over the network are refused, partial ones released
             self.peers.network.finished(key)
         self._ready.pop(key, None)
-        self._landing.pop(key, None)  # a copy still under way is dropped with its result
+        early = self._landing.pop(key, None)  # a copy still under way is dropped with its result
+        if early is not None:
+            early.cancel()  # (one not yet started never starts)
 
     def expect(self, key: int, op: Recv, expect: Expect | None = None, landing: Landing | None = None) -> None:
         """A fragment with this receive was admitted: the network path may take its pieces (the plan's only), and
@@ -293,6 +338,8 @@ class Receiver:
                 return False
             self._drop_box(key)
             early = self._landing.pop(key, None)
+            if early is not None and early.cancel():
+                early = None  # no lander took it yet: landed here instead
             self._finish(key)
         if box.failure is not None:
             self._give_back(list(box.pieces.values()))
@@ -392,7 +439,8 @@ class Receiver:
 
     def stats(self) -> dict[str, int]:
         """The receive side's counters: open mailboxes, bytes received (and of those copied from lent memory),
-        pieces refused, receives landed ahead of their op, and the copy plans of lent pieces (kept, their bytes,
-        made, reused)."""
+        pieces refused, receives landed ahead of their op and the batches they landed in, and the copy plans of lent
+        pieces (kept, their bytes, made, reused)."""
         return {"mailbox": len(self.mailbox), "bytes_in": self.bytes_in, "bytes_in_direct": self.bytes_in_direct,
-                "refused_pieces": self.refused, "landed_early": self.early, **PLANS.stats()}
+                "refused_pieces": self.refused, "landed_early": self.early, "landing_batches": self.batches,
+                **PLANS.stats()}

@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import os
+import queue
 import sys
+import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,6 +38,7 @@ CHUNK = 4 * 2**20  # bytes per read call: big copies are split over several thre
 IOV_MAX = 1024  # Linux's limit on segments per call
 THREADS = max(1, min(4, os.cpu_count() or 1))
 INLINE_BYTES = 1 << 20  # reads of at most this many bytes in all run on the calling thread
+READ_TIMEOUT_S = 120.0  # the longest a caller waits for a read thread to finish a call it took (a GiB is < 1 s)
 PROBE = bytes(range(64))
 
 
@@ -63,7 +66,6 @@ def _load() -> Callable | None:
 
 
 _readv = _load()
-_threads = ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="direct-read")
 
 
 def readable() -> bool:
@@ -154,17 +156,78 @@ def copy_into(jobs: Sequence[tuple[Lent, np.ndarray, Index]], itemsize: int) -> 
     return sum(call[3] for call in calls)
 
 
+class _Reads:
+    """The read calls of one ``read_all``, shared by its caller and the read threads: each takes the next call not
+    yet taken until none are left, so every core copies until the end and nobody hands calls over one by one."""
+
+    def __init__(self, calls: Sequence[tuple[int, np.ndarray, np.ndarray, int]]) -> None:
+        self.calls = sorted(calls, key=lambda call: -call[3])  # the longest first: the last ones end together
+        self._next = itertools.count()  # next() on it is atomic under the interpreter lock
+        self._lock = threading.Lock()
+        self._left = len(self.calls)
+        self.done = threading.Event()
+        self.error: Exception | None = None
+
+    def work(self) -> None:
+        """Run calls until none are left to take; the first error is kept, and the calls after it are skipped."""
+        while (k := next(self._next)) < len(self.calls):
+            try:
+                if self.error is None:
+                    _read(*self.calls[k])
+            except Exception as exc:  # kept for the caller: a read thread lives on
+                self.error = self.error or exc
+            finally:
+                with self._lock:
+                    self._left -= 1
+                    if self._left == 0:
+                        self.done.set()
+
+
+class _ReadThreads:
+    """Threads that join a ``read_all`` in progress: one wake each per ``read_all``, not one per call."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self._work: queue.SimpleQueue[_Reads] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._started = 0
+
+    def join(self, reads: _Reads) -> None:
+        """Let up to ``count`` threads take calls of ``reads`` besides its caller."""
+        with self._lock:
+            while self._started < self.count:
+                threading.Thread(target=self._run, name=f"direct-read-{self._started}", daemon=True).start()
+                self._started += 1
+        for _ in range(min(self.count, len(reads.calls) - 1)):
+            self._work.put(reads)
+
+    def _run(self) -> None:
+        while True:
+            self._work.get().work()
+
+
+_helpers = _ReadThreads(THREADS - 1)
+
+
 def read_all(calls: Sequence[tuple[int, np.ndarray, np.ndarray, int]]) -> None:
-    """Run read calls ``(pid, local iovecs, remote iovecs, bytes)``: on the read threads, or on this thread when
-    they are one call or few bytes (handing them over would cost more than the copy)."""
+    """Run read calls ``(pid, local iovecs, remote iovecs, bytes)``: this thread and the read threads take them in
+    turn, or this thread alone when they are one call or few bytes (waking another would cost more than the copy).
+    OSError when a sender's memory cannot be read (it died), or a read thread did not finish within
+    ``READ_TIMEOUT_S``."""
     if _readv is None:
         raise OSError("process_vm_readv is not available on this platform")
-    if len(calls) == 1 or sum(call[3] for call in calls) <= INLINE_BYTES:
+    if len(calls) == 1 or _helpers.count == 0 or sum(call[3] for call in calls) <= INLINE_BYTES:
         for call in calls:
             _read(*call)
         return
-    for future in [_threads.submit(_read, *call) for call in calls]:
-        future.result()
+    reads = _Reads(calls)
+    _helpers.join(reads)
+    reads.work()
+    if not reads.done.wait(READ_TIMEOUT_S):
+        raise TimeoutError(f"a read thread took over {READ_TIMEOUT_S:.0f}s to copy its part of "
+                           f"{sum(call[3] for call in calls)} bytes")
+    if reads.error is not None:
+        raise reads.error
 
 
 def _calls(piece: Lent, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray) -> list[tuple]:

@@ -314,3 +314,66 @@ def test_lent_pieces_of_an_admitted_receive_are_copied_before_its_op_runs_and_ch
     assert KEY not in tight.receiver._landing and tight.recv()  # landed by the op instead
     np.testing.assert_array_equal(tight.value(), np.arange(8, dtype=np.float32))
     assert tight.receiver.stats()["landed_early"] == 0
+
+
+def test_receives_ready_together_land_as_one_batch_and_a_failed_sender_fails_only_its_own():
+    """Receives that are all ready when a landing thread comes free land as one unit (here the landing threads wait
+    for the receiver's lock while five become ready). One whose sender's memory cannot be read fails that batch;
+    its receives are then landed one by one, so only it fails, when its op runs."""
+    import os
+
+    from pathways.errors import IslandFailedError
+
+    side = Side()
+    values = {KEY + k: np.arange(8 * k, 8 * k + 8, dtype=np.float32) for k in range(5)}
+    lease = iter(range(100))
+    with side.receiver._lock:
+        for key, value in values.items():
+            side.receiver.expect(key, RECV, RECV.expected(0), side.landing)
+            side.deliver((1, 0), (LEFT, Lent(os.getpid(), value.ctypes.data, LEFT, (1, 0), next(lease), "")), key=key)
+            side.deliver((1, 1), (RIGHT, Lent(os.getpid(), value.ctypes.data + 16, RIGHT, (1, 1), next(lease), "")),
+                         key=key)
+    for key in values:
+        side.receiver._landing[key].result(timeout=30)
+    assert side.receiver.stats()["landing_batches"] == 1
+    for key, value in values.items():
+        assert side.recv(key=key)
+        np.testing.assert_array_equal(side.value(key), value)
+    assert side.receiver.stats()["landed_early"] == 5 and side.receiver.held("") == (0, 0)
+
+    broken = Side()
+    bad = KEY + 2
+    with broken.receiver._lock:
+        for key, value in values.items():
+            left = Lent(os.getpid(), 4096 if key == bad else value.ctypes.data, LEFT, (1, 0), next(lease), "")
+            broken.receiver.expect(key, RECV, RECV.expected(0), broken.landing)
+            broken.deliver((1, 0), (LEFT, left), key=key)
+            broken.deliver((1, 1), (RIGHT, Lent(os.getpid(), value.ctypes.data + 16, RIGHT, (1, 1), next(lease), "")),
+                           key=key)
+    for key in values:
+        broken.receiver._landing[key].exception(timeout=30)
+    for key, value in values.items():
+        if key == bad:
+            with pytest.raises(IslandFailedError, match="the sending host died"):
+                broken.recv(key=key)
+            continue
+        assert broken.recv(key=key)
+        np.testing.assert_array_equal(broken.value(key), value)
+    assert broken.receiver.held("") == (0, 0)
+
+
+def test_a_ready_receive_no_landing_thread_took_yet_is_landed_by_its_op():
+    import os
+
+    left, right = halves()
+    side = Side()
+    with side.receiver._lock:  # the landing threads wait for it
+        side.receiver.expect(KEY, RECV, RECV.expected(0), side.landing)
+        side.deliver((1, 0), (LEFT, Lent(os.getpid(), left.ctypes.data, LEFT, (1, 0), 1, "")))
+        side.deliver((1, 1), (RIGHT, Lent(os.getpid(), right.ctypes.data, RIGHT, (1, 1), 2, "")))
+        early = side.receiver._landing[KEY]
+        assert side.recv()  # its op came first: it lands the receive itself
+    assert early.cancelled()
+    np.testing.assert_array_equal(side.value(), np.arange(8, dtype=np.float32))
+    assert side.receiver.stats()["landed_early"] == 0 and side.receiver.held("") == (0, 0)
+    assert sorted(p.lease for p in side.peers.given_back) == [1, 2]

@@ -83,6 +83,47 @@ def test_reading_a_dead_process_raises():
     assert not direct.can_read(proc.pid, 4096, direct.PROBE)
 
 
+@pytest.mark.skipif(direct._helpers.count == 0, reason="one core: read_all reads on its caller alone")
+def test_read_calls_are_shared_by_the_caller_and_a_read_thread(monkeypatch):
+    """``read_all`` hands its calls over as one lot: the caller and a read thread take them in turn (each of the
+    first two reads waits at a barrier for the other, so one thread alone would break it)."""
+    import threading
+
+    value = np.random.default_rng(2).standard_normal((2048, 1024)).astype(np.float32)  # 8 MiB: several calls
+    pieces, keep = lend_all(value, [8, 1])
+    lent: list = []
+    out = region(pieces, ((0, 2048), (0, 1024)), value.dtype, lent=lent)
+    meet, readers = threading.Barrier(2, timeout=30), []
+    real = direct._read
+
+    def read(*call):
+        readers.append(threading.current_thread().name)
+        if len(readers) <= 2:
+            meet.wait()
+        real(*call)
+
+    monkeypatch.setattr(direct, "_read", read)
+    assert direct.copy_into(lent, value.itemsize) == value.nbytes
+    np.testing.assert_array_equal(out, value)
+    assert len(set(readers)) >= 2 and threading.current_thread().name in readers
+
+
+def test_a_read_call_that_fails_fails_its_read_all_and_the_read_threads_serve_the_next():
+    value = np.ones((1024, 1024), np.float32)  # 4 MiB in 1 MiB calls
+    pieces, keep = lend_all(value, [4, 1])
+    bad = dict(pieces)
+    idx = next(iter(bad))
+    bad[idx] = Lent(os.getpid(), 4096, idx, (0, 0), 99, "")  # an address this process does not map
+    lent: list = []
+    region(bad, ((0, 1024), (0, 1024)), value.dtype, lent=lent)
+    with pytest.raises(OSError, match=f"process {os.getpid()}"):
+        direct.copy_into(lent, value.itemsize)
+    lent = []
+    out = region(pieces, ((0, 1024), (0, 1024)), value.dtype, lent=lent)
+    assert direct.copy_into(lent, value.itemsize) == value.nbytes
+    np.testing.assert_array_equal(out, value)
+
+
 def test_buffer_pool_reuses_only_unreferenced_buffers():
     pool = BufferPool()
     a = pool.take((256, 256), np.float32)
@@ -108,6 +149,23 @@ def test_pool_keeps_at_most_its_limit():
     del held
     free = pool.stats()["pool_free_bytes"]
     assert 2 * 2**20 < free <= 3 * 2**20
+
+
+def test_pool_finds_freed_buffers_while_every_take_is_served_from_its_free_list():
+    """A take that finds a free buffer of its size does not scan the buffers in use, but every ``COLLECT_EVERY``
+    takes one does: a large buffer freed meanwhile still comes back to the pool (and under its limit)."""
+    from resource_manager.host.buffer_pool import COLLECT_EVERY
+
+    pool = BufferPool()
+    small = [pool.take((1024,), np.uint8) for _ in range(COLLECT_EVERY + 1)]
+    del small
+    pool.take((1024,), np.uint8)  # none known free yet: this take scans, and the rest are free
+    large = pool.take((1 << 20,), np.uint8)
+    del large
+    before = pool.free_bytes
+    for _ in range(COLLECT_EVERY):
+        pool.take((1024,), np.uint8)  # each served from the free list
+    assert pool.allocated == COLLECT_EVERY + 2 and pool.free_bytes > before + (1 << 20) - COLLECT_EVERY * 1100
 
 
 def wait_for(predicate, timeout: float = 20.0) -> bool:

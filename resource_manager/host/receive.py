@@ -13,14 +13,15 @@ budgets: a piece that would take the tenant over one is refused, and its
 receive fails at once with a ResourceError naming the budget; no other
 tenant's receive is affected.
 
-Shards lent by a sender on this node are copied as soon as all of a receive's
-pieces are here and its recv op was admitted (``expect`` with the landing),
-on a landing thread, while the executor still works through earlier ops: a
-weight sync's many receives then copy while the executor spends its time on
-each op's bookkeeping, instead of after it. A landing thread takes every
-receive that is ready when it comes free (up to ``BATCH_BYTES``) and lands
-them as one unit (``transfer.assemble_lent``): one hand-off for the lot, the
-cores copying across the receives' boundaries. The landed array counts against
+A receive is landed as soon as all its pieces are here and its recv op was
+admitted (``expect`` with the landing), on a landing thread, while the
+executor still works through earlier ops: shards lent by a sender on this
+node are copied out of it, pieces that arrived whole are regathered into the
+devices' regions. A weight sync's many receives then land while the executor
+spends its time on each op's bookkeeping, instead of after it. A landing
+thread takes every receive that is ready when it comes free (up to
+``BATCH_BYTES``) and lands them as one unit (``transfer.assemble_all``): one
+hand-off for the lot, the cores copying across the receives' boundaries. The landed array counts against
 the tenant's ``parked_bytes`` until its recv op takes it (over that budget it
 waits for the op, which lands it then).
 
@@ -50,7 +51,7 @@ from pathways.messages import Deliver
 from pathways.ops import MAX_SHARDS, Expect, Recv, Region
 from resource_manager.host.buffer_pool import BufferPool
 from resource_manager.host.buffers import BufferTable, Failure
-from resource_manager.host.transfer import PLANS, Landing, assemble, assemble_lent
+from resource_manager.host.transfer import PLANS, Landing, assemble, assemble_all
 from resource_manager.host.transport.direct import Lent
 from resource_manager.host.transport.peers import Peers
 
@@ -59,6 +60,7 @@ MAX_MAILBOXES = 1 << 16
 FINISHED = 1 << 16  # receive ids remembered as done, so late pieces go straight back
 LANDERS = 2  # batches landed ahead of their ops at once (one copies while the other hands its buffers to JAX)
 BATCH_BYTES = 64 << 20  # the most bytes a landing thread takes at once (more wait for the next batch)
+GATHER_BYTES = 1 << 20  # a receive whose pieces are in this host's memory is landed ahead of its op from this size
 log = logging.getLogger(__name__)
 
 
@@ -180,20 +182,23 @@ class Receiver:
             self._land_early(key, box)
 
     def _land_early(self, key: int, box: Mailbox) -> None:
-        """Start copying a receive's lent pieces on the landing thread, if its op was admitted, every piece is here
-        and lent, and its tenant's ``parked_bytes`` hold the array (the lock held)."""
+        """Queue a receive for a landing thread, if its op was admitted, every piece is here, and its tenant's
+        ``parked_bytes`` hold the array (the lock held): lent pieces are copied out of their sender, pieces that
+        arrived whole (over the network) are regathered into the devices' regions (from ``GATHER_BYTES``), while
+        the executor still works through earlier ops."""
         allowed, count, landing = self._ready[key]
         if key in self._landing or box.failure is not None or box.count(allowed) < count:
             return
         pieces = {region: data for (sender, region), data in box.pieces.items() if sender in allowed}
-        if not all(type(p) is Lent for p in pieces.values()):
-            return  # pieces already in this host's memory: the op gathers them, nothing to overlap
+        if landing.nbytes < GATHER_BYTES and not all(type(p) is Lent for p in pieces.values()):
+            return  # a few bytes in this host's memory already: its op lands them sooner than a hand-off would
         held = self._held[box.tenant]
         budget = self._owner(key)
-        if budget is None or held[1] + landing.nbytes > budget[1].parked_bytes:
+        extra = landing.nbytes - sum(_piece_bytes(p) for p in pieces.values())  # pieces here become the array
+        if budget is None or held[1] + max(0, extra) > budget[1].parked_bytes:
             return  # its op lands it, under the host_bytes budget it checks then
-        box.nbytes += landing.nbytes
-        held[1] += landing.nbytes
+        box.nbytes += extra
+        held[1] += extra
         future = self._landing[key] = Future()
         self._queued.append((key, landing, pieces, future))
         if self._draining < LANDERS:
@@ -220,7 +225,7 @@ class Receiver:
         """Land ``batch`` as one unit; if that fails, each receive on its own, so only the one whose sender failed
         fails (its op raises the error)."""
         try:
-            arrays = assemble_lent([(landing, pieces) for _, landing, pieces, _ in batch], self.pool.take)
+            arrays = assemble_all([(landing, pieces) for _, landing, pieces, _ in batch], self.pool.take)
         except Exception as exc:  # for its recv op to raise
             if len(batch) > 1:
                 for item in batch:
@@ -229,8 +234,22 @@ class Receiver:
                 batch[0][3].set_exception(exc)
             return
         self.batches += 1
-        for (_, _, _, future), array in zip(batch, arrays):
-            future.set_result(array)
+        with self._lock:
+            for (key, _, pieces, future), array in zip(batch, arrays):
+                pieces.clear()
+                if self._landing.get(key) is future:
+                    self._free_gathered(key)
+                future.set_result(array)
+
+    def _free_gathered(self, key: int) -> None:
+        """Let go of a landed receive's pieces that were in this host's memory (their bytes were counted toward the
+        array when it was queued); they stay named, as ``None``, so the receive still counts as complete (the lock
+        held)."""
+        box = self.mailbox.get(key)
+        if box is not None:
+            for slot, data in box.pieces.items():
+                if _piece_bytes(data):
+                    box.pieces[slot] = None
 
     def _refuse(self, key: int, pieces: Sequence[Any], error: Exception) -> None:
         """Refuse what arrived for ``key`` over its tenant's budget; its receive fails with ``error`` when it

@@ -161,6 +161,20 @@ def _copy(out: np.ndarray, dst: tuple, data: np.ndarray, src: tuple) -> None:
     out[dst] = data[src]
 
 
+def assemble_all(batch: Sequence[tuple[Landing, dict[Index, np.ndarray | Lent]]],
+                 alloc: Alloc = aligned_empty) -> list[jax.Array]:
+    """``assemble`` for each ``(landing, pieces)`` of ``batch``; those whose pieces are all lent as one unit
+    (``assemble_lent``)."""
+    lent = [k for k, (_, pieces) in enumerate(batch) if pieces and all(type(p) is Lent for p in pieces.values())]
+    out: list = [None] * len(batch)
+    for k, array in zip(lent, assemble_lent([batch[k] for k in lent], alloc)):
+        out[k] = array
+    for k, (landing, pieces) in enumerate(batch):
+        if out[k] is None:
+            out[k] = assemble(landing, pieces, alloc)
+    return out
+
+
 def assemble_lent(batch: Sequence[tuple[Landing, dict[Index, Lent]]], alloc: Alloc = aligned_empty) -> list[jax.Array]:
     """Several arrays landed from lent pieces as one unit, each by the host's plan for its pair of shardings (each
     distinct region read once, replicas copied from it here): the read calls of all of them go to

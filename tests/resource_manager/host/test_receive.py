@@ -377,3 +377,43 @@ def test_a_ready_receive_no_landing_thread_took_yet_is_landed_by_its_op():
     np.testing.assert_array_equal(side.value(), np.arange(8, dtype=np.float32))
     assert side.receiver.stats()["landed_early"] == 0 and side.receiver.held("") == (0, 0)
     assert sorted(p.lease for p in side.peers.given_back) == [1, 2]
+
+
+def test_pieces_that_arrived_whole_are_regathered_before_the_op_runs_and_counted_once(monkeypatch):
+    """Pieces in this host's memory (over the network) of an admitted receive of at least ``GATHER_BYTES`` are
+    gathered into the devices' regions on a landing thread as soon as they are all here (smaller ones by their op).
+    Their bytes count toward the array they become: a tenant with room for one receive's pieces still takes the
+    next receive's pieces while the first, landed, waits for its op; and the pieces are let go once landed."""
+    import weakref
+
+    from pathways.budgets import Budgets
+    from resource_manager.host import receive
+
+    small = Side()
+    small.receiver.expect(KEY, RECV, RECV.expected(0), small.landing)
+    small.deliver((1, 0), (LEFT, halves()[0]))
+    small.deliver((1, 1), (RIGHT, halves()[1]))
+    assert KEY not in small.receiver._landing and small.recv()  # 32 bytes: landed by the op
+    np.testing.assert_array_equal(small.value(), np.arange(8, dtype=np.float32))
+
+    monkeypatch.setattr(receive, "GATHER_BYTES", 0)
+    side = Side()
+    side.receiver._owner = lambda key: ("t", Budgets(parked_bytes=64))
+    left, right = halves()
+    side.receiver.expect(KEY, RECV, RECV.expected(0), side.landing)
+    side.deliver((1, 0), (LEFT, left))
+    assert KEY not in side.receiver._landing and side.receiver.held("t") == (1, 16)
+    kept = weakref.ref(right := right.copy())
+    side.deliver((1, 1), (RIGHT, right))
+    del right
+    side.receiver._landing[KEY].result(timeout=30)
+    assert side.receiver.held("t") == (1, 32)  # the pieces' bytes count toward the landed array
+    assert kept() is None  # and the pieces themselves were let go
+    right = np.arange(4, 8, dtype=np.float32)
+    side.deliver((1, 0), (LEFT, left * 2), key=KEY + 1)
+    side.deliver((1, 1), (RIGHT, right * 2), key=KEY + 1)
+    assert side.receiver.held("t") == (2, 64) and side.receiver.stats()["refused_pieces"] == 0
+    assert side.recv() and side.recv(key=KEY + 1)
+    np.testing.assert_array_equal(side.value(), np.arange(8, dtype=np.float32))
+    np.testing.assert_array_equal(side.value(KEY + 1), 2 * np.arange(8, dtype=np.float32))
+    assert side.receiver.stats()["landed_early"] == 1 and side.receiver.held("t") == (0, 0)

@@ -21,9 +21,10 @@ devices' regions. A weight sync's many receives then land while the executor
 spends its time on each op's bookkeeping, instead of after it. A landing
 thread takes every receive that is ready when it comes free (up to
 ``BATCH_BYTES``) and lands them as one unit (``transfer.assemble_all``): one
-hand-off for the lot, the cores copying across the receives' boundaries. The landed array counts against
-the tenant's ``parked_bytes`` until its recv op takes it (over that budget it
-waits for the op, which lands it then).
+hand-off for the lot, the cores copying across the receives' boundaries. The
+landed array counts against the tenant's ``parked_bytes`` until its recv op
+takes it, in place of the pieces it was made of (over that budget it waits for
+the op, which lands it then).
 
 On a multi-host island a recv op must not hold the island's order while its
 data is on the way (two islands exchanging data could each wait on the
@@ -116,7 +117,7 @@ class Receiver:
         self._watches: dict[int, _Watch] = {}
         self._landed: list[tuple[int, int]] = []
         self._ready: dict[int, tuple[frozenset[Sender], int, Landing]] = {}  # admitted: senders, count, landing
-        self._landing: dict[int, Future] = {}  # receives whose lent pieces are being copied ahead of their op
+        self._landing: dict[int, Future] = {}  # receives being landed ahead of their op
         self._queued: deque[tuple[int, Landing, dict, Future]] = deque()  # of those, the ones no lander took yet
         self._draining = 0  # landing threads at work
         self._landers = ThreadPoolExecutor(max_workers=LANDERS, thread_name_prefix="landing")

@@ -36,7 +36,7 @@ from pathways.sharding import Index, intersection
 
 CHUNK = 4 * 2**20  # bytes per read call: big copies are split over several threads
 IOV_MAX = 1024  # Linux's limit on segments per call
-THREADS = max(1, min(4, os.cpu_count() or 1))
+THREADS = max(1, min(4, os.cpu_count() or 1))  # threads copying one read_all: its caller and THREADS - 1 others
 INLINE_BYTES = 1 << 20  # reads of at most this many bytes in all run on the calling thread
 READ_TIMEOUT_S = 120.0  # the longest a caller waits for a read thread to finish a call it took (a GiB is < 1 s)
 PROBE = bytes(range(64))

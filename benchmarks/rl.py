@@ -19,9 +19,12 @@ Weight sync: the RL policy at a size where bytes dominate (``SYNC_CONFIG``: d_mo
 ``--quick``: d_model 512) moved from the trainer's layout (FSDP over ("data",)) to the sampler's (tensor parallel
 over ("model",)) on another island by ``pw.WeightSync``, from dispatch until every synced leaf has been used
 there (``benchmarks.weight_sync.time_sync``; nothing subtracted, and the fixed cost of such a program printed
-beside it), alternating with a memcpy of the same bytes (``benchmarks.weight_sync.measure_memcpy``). Across two
-Ray nodes (unless ``--no-nodes``): ``benchmarks.weight_sync.two_nodes``, the same kind of sync between islands on
-two Ray nodes of this machine alternating with raw TCP between the same two hosts. With ``--platform gpu`` the
+beside it), alternating with a memcpy of the same bytes (``benchmarks.weight_sync.measure_memcpy``). The loop's
+slices hold one device each, so that sync reshards nothing; the headline's memcpy ratio is therefore that of a
+resharding sync, ``benchmarks.weight_sync.one_node`` (PaLM's parameters, (2, 2) FSDP x model -> (1, 4) on
+another island; on CPU). Across two Ray nodes (unless ``--no-nodes``): ``benchmarks.weight_sync.two_nodes``,
+the same resharding sync between islands on two Ray nodes of this machine, alternating with raw TCP between the
+same two hosts. With ``--platform gpu`` the
 two islands share the one GPU (``gpu_share`` 0.5, as ``benchmarks.gpu_check``'s shared_gpu check), each slice is
 that one device, and neither the balanced rounds nor the two nodes run.
 
@@ -202,6 +205,13 @@ def sync_one_node(loop: pw.rl.Loop, args: argparse.Namespace) -> dict:
     return row
 
 
+def resharded(args: argparse.Namespace) -> dict:
+    """The resharding sync on one node (``benchmarks.weight_sync.one_node``), against memcpy."""
+    from benchmarks import weight_sync
+
+    return weight_sync.one_node(["small" if args.quick else "medium"], args.reps, 1)[0]
+
+
 def two_nodes(args: argparse.Namespace) -> dict | None:
     from benchmarks import weight_sync
 
@@ -227,7 +237,7 @@ def throughput(rows: dict) -> float:
 
 def summary(out: dict) -> str:
     """The headline line (and its figures into ``out``)."""
-    sync = out["sync"]
+    sync = out.get("resharded") or out["sync"]
     sync_s, memcpy_s = median(sync["sync_s"]), median(sync["memcpy_s"])
     gbps = sync["bytes"] / sync_s / 1e9
     r1 = ratio(memcpy_s, sync_s)
@@ -267,6 +277,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.rounds < 1 or args.steps < 1 or args.reps < 1:
         p.error("--rounds, --steps and --reps must be positive")
     out = placements(args)
+    if args.platform == "cpu":
+        out["resharded"] = resharded(args)
     if args.nodes and args.platform == "cpu":
         out["nodes"] = two_nodes(args)
     line = summary(out)
@@ -281,12 +293,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"async/sync throughput {out['t']:.2f}")
     elif balanced:
         print(f"balanced: {balanced.get('note')}")
-    sync = out["sync"]
-    print(f"\nweight sync, one node: {sync['bytes'] / 1e6:.1f} MB in {median(sync['sync_s']) * 1e3:.1f} ms, of "
-          f"which {median(sync['probe_s']) * 1e3:.1f} ms a program's fixed cost (memcpy "
-          f"{median(sync['memcpy_s']) * 1e3:.1f} ms)" + (
-              f"; two nodes: {out['nodes']['bytes'] / 1e6:.1f} MB in {median(out['nodes']['sync_s']) * 1e3:.1f} ms "
-              f"(raw TCP {median(out['nodes']['raw_tcp_s']) * 1e3:.1f} ms)" if out.get("nodes") else ""))
+    sync, again = out["sync"], out.get("resharded")
+    print(f"\nweight sync between the loop's slices (one device each, nothing resharded): "
+          f"{sync['bytes'] / 1e6:.1f} MB in {median(sync['sync_s']) * 1e3:.1f} ms, of which "
+          f"{median(sync['probe_s']) * 1e3:.1f} ms a program's fixed cost (memcpy {median(sync['memcpy_s']) * 1e3:.1f} "
+          f"ms, {ratio(median(sync['memcpy_s']), median(sync['sync_s'])):.2f}x)")
+    if again:
+        print(f"weight sync resharded (2, 2) -> (1, 4), one node: {again['bytes'] / 1e6:.1f} MB in "
+              f"{median(again['sync_s']) * 1e3:.1f} ms (memcpy {median(again['memcpy_s']) * 1e3:.1f} ms)" + (
+                  f"; two nodes: {out['nodes']['bytes'] / 1e6:.1f} MB in {median(out['nodes']['sync_s']) * 1e3:.1f} "
+                  f"ms (raw TCP {median(out['nodes']['raw_tcp_s']) * 1e3:.1f} ms)" if out.get("nodes") else ""))
     mem = out["colocated_memory"]
     print(f"colocated island between steps: {mem['resident_bytes'] / 1e6:.2f} MB resident, peak "
           f"{mem['peak_bytes'] / 1e6:.2f} MB: the training state (params, Adam, reference: "

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pathways.sharding import Index, intersection
-from resource_manager.host.transport.direct import CHUNK, IOV_MAX, Lent, read_all, runs
+from resource_manager.host.transport.direct import CHUNK, IOV_MAX, Lent, runs
 
 PLAN_BYTES = 64 << 20  # the most bytes of offsets the host keeps in plans; the least recently used go first
 
@@ -73,12 +73,6 @@ class CopyPlan:
             remote[:, 1] = call.remote[:, 1]
             calls.append((piece.pid, local, remote, call.nbytes))
         return calls
-
-    def run(self, pieces: Sequence[Lent], buffers: Sequence[np.ndarray]) -> int:
-        """Fill ``buffers`` from ``pieces`` (as ``reads``); returns the bytes read. OSError if a sender's memory
-        cannot be read (it died)."""
-        read_all(self.reads(pieces, buffers))
-        return self.nbytes
 
 
 def _shape(region: Index) -> tuple[int, ...]:

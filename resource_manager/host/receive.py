@@ -52,7 +52,7 @@ from pathways.messages import Deliver
 from pathways.ops import MAX_SHARDS, Expect, Recv, Region
 from resource_manager.host.buffer_pool import BufferPool
 from resource_manager.host.buffers import BufferTable, Failure
-from resource_manager.host.transfer import PLANS, Landing, assemble, assemble_all
+from resource_manager.host.transfer import PLANS, Landing, all_lent, assemble, assemble_all
 from resource_manager.host.transport.direct import Lent
 from resource_manager.host.transport.peers import Peers
 
@@ -191,7 +191,7 @@ class Receiver:
         if key in self._landing or box.failure is not None or box.count(allowed) < count:
             return
         pieces = {region: data for (sender, region), data in box.pieces.items() if sender in allowed}
-        if landing.nbytes < GATHER_BYTES and not all(type(p) is Lent for p in pieces.values()):
+        if landing.nbytes < GATHER_BYTES and not all_lent(pieces):
             return  # a few bytes in this host's memory already: its op lands them sooner than a hand-off would
         held = self._held[box.tenant]
         budget = self._owner(key)
@@ -234,8 +234,8 @@ class Receiver:
             else:
                 batch[0][3].set_exception(exc)
             return
-        self.batches += 1
         with self._lock:
+            self.batches += 1
             for (key, _, pieces, future), array in zip(batch, arrays):
                 pieces.clear()
                 if self._landing.get(key) is future:

@@ -111,9 +111,14 @@ PLANS = Plans()  # this host's copy plans of lent pieces (one host per process)
 _gatherers = ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="gather")
 
 
+def all_lent(pieces: dict[Index, np.ndarray | Lent | None]) -> bool:
+    """Whether ``pieces`` are all lent: still in their senders, to be read out of them (``assemble_lent``)."""
+    return bool(pieces) and all(type(p) is Lent for p in pieces.values())
+
+
 def assemble(landing: Landing, pieces: dict[Index, np.ndarray | Lent], alloc: Alloc = aligned_empty) -> jax.Array:
     """A global array on ``landing.sharding`` whose local devices get their regions from ``pieces``."""
-    if pieces and all(type(p) is Lent for p in pieces.values()):
+    if all_lent(pieces):
         return assemble_lent([(landing, pieces)], alloc)[0]
     lent: list = []
     local: list = []
@@ -165,7 +170,7 @@ def assemble_all(batch: Sequence[tuple[Landing, dict[Index, np.ndarray | Lent]]]
                  alloc: Alloc = aligned_empty) -> list[jax.Array]:
     """``assemble`` for each ``(landing, pieces)`` of ``batch``; those whose pieces are all lent as one unit
     (``assemble_lent``)."""
-    lent = [k for k, (_, pieces) in enumerate(batch) if pieces and all(type(p) is Lent for p in pieces.values())]
+    lent = [k for k, (_, pieces) in enumerate(batch) if all_lent(pieces)]
     out: list = [None] * len(batch)
     for k, array in zip(lent, assemble_lent([batch[k] for k in lent], alloc)):
         out[k] = array

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pathways.sharding import Index, intersection
-from resource_manager.host.transport.direct import CHUNK, IOV_MAX, Lent, runs
+from resource_manager.host.transport.direct import CHUNK, IOV_MAX, Lent, segments
 
 PLAN_BYTES = 64 << 20  # the most bytes of offsets the host keeps in plans; the least recently used go first
 
@@ -132,17 +132,9 @@ def make(wanted: tuple[Index, ...], pieces: tuple[Index, ...], itemsize: int) ->
         check_cover([s for s in (intersection(p, want) for p in pieces) if s is not None], want)
     calls: list[ReadCall] = []
     for k, have in enumerate(pieces):
-        parts = []
-        for r, want in enumerate(regions):
-            found = runs.__wrapped__(have, want, itemsize)  # not through direct's cache: the plan keeps them
-            if found is not None:
-                src, dst, length = found
-                parts.append((src, dst, np.full(len(src), length, np.int64), np.full(len(src), r, np.int32)))
-        if not parts:
-            continue
-        src, dst, lengths, outs = (np.concatenate(p) for p in zip(*parts))
-        order = np.argsort(src, kind="stable")  # one contiguous stretch of the piece feeds many segments
-        calls.extend(_calls(k, src[order], dst[order], lengths[order], outs[order]))
+        found = segments(have, regions, itemsize)  # one contiguous stretch of the piece feeds many segments
+        if found is not None:
+            calls.extend(_calls(k, *found))
     return CopyPlan(regions, slots, tuple(calls), sum(c.nbytes for c in calls))
 
 

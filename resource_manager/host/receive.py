@@ -52,8 +52,9 @@ from pathways.messages import Deliver
 from pathways.ops import MAX_SHARDS, Expect, Recv, Region
 from resource_manager.host.buffer_pool import BufferPool
 from resource_manager.host.buffers import BufferTable, Failure
-from resource_manager.host.transfer import PLANS, Landing, all_lent, assemble, assemble_all
+from resource_manager.host.transfer import PLANS, Landing, all_lent, all_scattered, assemble, assemble_all
 from resource_manager.host.transport.direct import Lent
+from resource_manager.host.transport.network.scatter import Scattered
 from resource_manager.host.transport.peers import Peers
 
 Sender = tuple[int, int]  # (island, host)
@@ -70,7 +71,7 @@ class Mailbox:
     """What arrived for one receive id, by sender: a piece from one host never displaces another's."""
 
     tenant: str
-    pieces: dict[tuple[Sender, Region], Any] = field(default_factory=dict)  # np.ndarray | Lent
+    pieces: dict[tuple[Sender, Region], Any] = field(default_factory=dict)  # np.ndarray | Lent | Scattered
     failure: Failure | None = None
     since: float = field(default_factory=time.monotonic)
     nbytes: int = 0
@@ -174,7 +175,7 @@ class Receiver:
             box.pieces[(sender, shard)] = data
             box.nbytes += _piece_bytes(data)
             held[1] += _piece_bytes(data)
-            if isinstance(data, np.ndarray):
+            if isinstance(data, (np.ndarray, Scattered)):
                 self.bytes_in += data.nbytes
         watch = self._watches.get(key)
         if watch is not None and self._complete(box, watch.count, watch.allowed):
@@ -186,16 +187,17 @@ class Receiver:
         """Queue a receive for a landing thread, if its op was admitted, every piece is here, and its tenant's
         ``parked_bytes`` hold the array (the lock held): lent pieces are copied out of their sender, pieces that
         arrived whole (over the network) are regathered into the devices' regions (from ``GATHER_BYTES``), while
-        the executor still works through earlier ops."""
+        the executor still works through earlier ops. Pieces scattered into the devices' regions as they arrived
+        wait for the op: it has (nearly) nothing left to copy."""
         allowed, count, landing = self._ready[key]
         if key in self._landing or box.failure is not None or box.count(allowed) < count:
             return
         pieces = {region: data for (sender, region), data in box.pieces.items() if sender in allowed}
-        if landing.nbytes < GATHER_BYTES and not all_lent(pieces):
-            return  # a few bytes in this host's memory already: its op lands them sooner than a hand-off would
+        extra = landing.nbytes - sum(_piece_bytes(p) for p in pieces.values())  # pieces here become the array
+        if (landing.nbytes < GATHER_BYTES and not all_lent(pieces)) or (all_scattered(pieces) and extra < GATHER_BYTES):
+            return  # a few bytes to copy in this host's memory, or none: its op lands them sooner than a hand-off
         held = self._held[box.tenant]
         budget = self._owner(key)
-        extra = landing.nbytes - sum(_piece_bytes(p) for p in pieces.values())  # pieces here become the array
         if budget is None or held[1] + max(0, extra) > budget[1].parked_bytes:
             return  # its op lands it, under the host_bytes budget it checks then
         box.nbytes += extra
@@ -304,7 +306,7 @@ class Receiver:
         with ``expect`` and ``landing`` (what lands on this host, and where) lent pieces may be copied as soon as
         they are all here."""
         if self.peers.network is not None:
-            self.peers.network.expect(key, op)
+            self.peers.network.expect(key, op, None if landing is None else landing.regions)
         if expect is None or landing is None:
             return
         with self._lock:

@@ -2,7 +2,9 @@
 
 Pieces travel as numpy arrays through Ray's object store, are copied
 straight out of a sender on the same node (``direct``), or arrive over the
-network into the host's own landing buffers (``network``, as ``Landed``).
+network (``network``): straight into the devices' regions when their receive
+was registered first (``Scattered``), else into the host's own landing buffers
+(``Landed``).
 Every device's region is gathered into a buffer of the host's own, even when
 one piece matches it exactly: a piece adopted as is would keep its
 object-store memory pinned for as long as the array lives, on 4 KiB shared
@@ -32,8 +34,10 @@ from pathways.sharding import Index, intersection
 from resource_manager.host.buffer_pool import aligned_empty
 from resource_manager.host.copy_plan import Plans, check_cover
 from resource_manager.host.transport.direct import CHUNK, INLINE_BYTES, THREADS, Lent, copy_into, read_all
+from resource_manager.host.transport.network.scatter import Scattered, Target
 
 Alloc = Callable[[Sequence[int], np.dtype], np.ndarray]
+Piece = np.ndarray | Lent | Scattered  # a received piece: in this process, lent by its sender, or scattered
 
 
 class Landed(np.ndarray):
@@ -59,23 +63,27 @@ def local_pieces(array: jax.Array) -> dict[Index, jax.Array]:
     return pieces
 
 
-def region(pieces: dict[Index, np.ndarray | Lent], want: Index, dtype: np.dtype, alloc: Alloc = aligned_empty,
-           lent: list | None = None, local: list | None = None) -> np.ndarray:
-    """The ``want`` region, gathered from the pieces that overlap it into ``alloc``'s buffer.
+def region(pieces: dict[Index, Piece], want: Index, dtype: np.dtype, alloc: Alloc = aligned_empty,
+           lent: list | None = None, local: list | None = None, out: np.ndarray | None = None) -> np.ndarray:
+    """The ``want`` region, gathered from the pieces that overlap it into ``out`` (else ``alloc``'s buffer).
 
     Overlaps with lent pieces are not copied here but appended to ``lent`` as ``(piece, out, want)``,
     for ``direct.copy_into`` to fill in one pass; with ``local`` given, overlaps with pieces in this
-    process are appended there as ``(out, dst, data, src)`` for ``gather`` to copy. The pieces must
-    cover the region exactly once: a landing buffer is reused memory, and a byte no piece wrote would
-    hand back whatever it held before (ValueError).
+    process are appended there as ``(out, dst, data, src)`` for ``gather`` to copy. Scattered pieces are in
+    ``out`` already (it is their target's buffer for ``want``). The pieces must cover the region exactly once:
+    a landing buffer is reused memory, and a byte no piece wrote would hand back whatever it held before
+    (ValueError).
     """
-    out = alloc([b - a for a, b in want], dtype)
+    if out is None:
+        out = alloc([b - a for a, b in want], dtype)
     shared_all = []
     for have, data in pieces.items():
         shared = intersection(have, want)
         if shared is None:
             continue
         shared_all.append(shared)
+        if isinstance(data, Scattered):
+            continue
         if isinstance(data, Lent):
             if lent is None:
                 raise ValueError(f"region {want} overlaps a lent piece but no list collects the copies")
@@ -102,6 +110,11 @@ class Landing:
     wanted: list[tuple[jax.Device, Index]]
 
     @functools.cached_property
+    def regions(self) -> tuple[Index, ...]:
+        """The distinct regions of the local devices, in their order (devices holding the same region share one)."""
+        return tuple(dict.fromkeys(idx for _, idx in self.wanted))
+
+    @functools.cached_property
     def nbytes(self) -> int:
         """Bytes the array takes on this host once landed (each local device's region)."""
         return sum(math.prod(b - a for a, b in idx) for _, idx in self.wanted) * self.dtype.itemsize
@@ -111,31 +124,60 @@ PLANS = Plans()  # this host's copy plans of lent pieces (one host per process)
 _gatherers = ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="gather")
 
 
-def all_lent(pieces: dict[Index, np.ndarray | Lent | None]) -> bool:
+def all_lent(pieces: dict[Index, Piece | None]) -> bool:
     """Whether ``pieces`` are all lent: still in their senders, to be read out of them (``assemble_lent``)."""
     return bool(pieces) and all(type(p) is Lent for p in pieces.values())
 
 
-def assemble(landing: Landing, pieces: dict[Index, np.ndarray | Lent], alloc: Alloc = aligned_empty) -> jax.Array:
-    """A global array on ``landing.sharding`` whose local devices get their regions from ``pieces``."""
+def all_scattered(pieces: dict[Index, Piece | None]) -> bool:
+    """Whether ``pieces`` all arrived straight in their receive's regions (``Scattered``): nothing left to copy."""
+    return bool(pieces) and all(type(p) is Scattered for p in pieces.values())
+
+
+def assemble(landing: Landing, pieces: dict[Index, Piece], alloc: Alloc = aligned_empty) -> jax.Array:
+    """A global array on ``landing.sharding`` whose local devices get their regions from ``pieces``: scattered
+    ones are in their target's buffers already, which the devices adopt (other pieces copied into them); a landed
+    piece that is exactly a device's region is adopted as is; the rest is gathered."""
     if all_lent(pieces):
         return assemble_lent([(landing, pieces)], alloc)[0]
+    target = _target(pieces, landing)
+    buffers = dict(zip(landing.regions, target.buffers(alloc))) if target is not None else {}
     lent: list = []
     local: list = []
-    adopted: set[Index] = set()
-    regions = []
-    for _, idx in landing.wanted:
+    firsts: dict[Index, np.ndarray] = {}
+    for idx in landing.regions:
         piece = pieces.get(idx)
-        if type(piece) is Landed and piece.dtype == landing.dtype and idx not in adopted:
-            adopted.add(idx)  # adopted once: two devices never share one buffer
-            regions.append(piece.view(np.ndarray))
+        if idx in buffers:
+            firsts[idx] = region(pieces, idx, landing.dtype, lent=lent, local=local, out=buffers[idx])
+        elif type(piece) is Landed and piece.dtype == landing.dtype:
+            firsts[idx] = piece.view(np.ndarray)
         else:
-            regions.append(region(pieces, idx, landing.dtype, alloc, lent, local))
+            firsts[idx] = region(pieces, idx, landing.dtype, alloc, lent, local)
     if lent:
         copy_into(lent, landing.dtype.itemsize)
     if local:
         gather(local)
+    regions, seen = [], set()
+    for _, idx in landing.wanted:
+        if idx in seen:  # another device holds this region too: a buffer of its own (two never share one)
+            replica = alloc(firsts[idx].shape, landing.dtype)
+            np.copyto(replica, firsts[idx])
+            regions.append(replica)
+        else:
+            seen.add(idx)
+            regions.append(firsts[idx])
     return _on_devices(landing, regions)
+
+
+def _target(pieces: dict[Index, Piece], landing: Landing) -> Target | None:
+    """The target the scattered ones of ``pieces`` landed in (ValueError unless it is ``landing``'s)."""
+    targets = {id(p.target): p.target for p in pieces.values() if isinstance(p, Scattered)}
+    if not targets:
+        return None
+    target = next(iter(targets.values()))
+    if len(targets) > 1 or target.regions != landing.regions or target.dtype != landing.dtype:
+        raise ValueError("pieces landed for another receive's regions; refusing to land them")
+    return target
 
 
 def gather(copies: list[tuple[np.ndarray, tuple, np.ndarray, tuple]]) -> None:
@@ -166,7 +208,7 @@ def _copy(out: np.ndarray, dst: tuple, data: np.ndarray, src: tuple) -> None:
     out[dst] = data[src]
 
 
-def assemble_all(batch: Sequence[tuple[Landing, dict[Index, np.ndarray | Lent]]],
+def assemble_all(batch: Sequence[tuple[Landing, dict[Index, Piece]]],
                  alloc: Alloc = aligned_empty) -> list[jax.Array]:
     """``assemble`` for each ``(landing, pieces)`` of ``batch``; those whose pieces are all lent as one unit
     (``assemble_lent``)."""

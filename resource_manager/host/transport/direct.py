@@ -125,6 +125,24 @@ def runs(have: Index, want: Index, itemsize: int) -> tuple[np.ndarray, np.ndarra
     return offsets(have, src_shape), offsets(want, dst_shape), length
 
 
+def segments(have: Index, regions: Sequence[Index], itemsize: int
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    """Where the bytes of region ``have`` go in ``regions`` (disjoint): per contiguous run, its offset in ``have``,
+    its offset in its region, its length and which region, sorted by the offset in ``have`` (one stretch of a
+    shard holds rows of several destination regions in turn); None when ``have`` overlaps none of them."""
+    parts = []
+    for r, want in enumerate(regions):
+        found = runs.__wrapped__(have, want, itemsize)  # not through the cache: callers keep what they make
+        if found is not None:
+            src, dst, length = found
+            parts.append((src, dst, np.full(len(src), length, np.int64), np.full(len(src), r, np.int32)))
+    if not parts:
+        return None
+    src, dst, lengths, outs = (np.concatenate(p) for p in zip(*parts))
+    order = np.argsort(src, kind="stable")
+    return src[order], dst[order], lengths[order], outs[order]
+
+
 def copy_into(jobs: Sequence[tuple[Lent, np.ndarray, Index]], itemsize: int) -> int:
     """Fill each ``(piece, out, out_index)``'s overlap with the lent piece; returns the bytes copied.
 

@@ -32,13 +32,16 @@ from pathways.sharding import Index
 from resource_manager.host.transport.interface import Inbound, Peer, Sent, Transport
 from resource_manager.host.transport.network.frames import Identity
 from resource_manager.host.transport.network.links import Links, NetworkError
-from resource_manager.host.transport.network.receives import Receives, expected_from_op
+from resource_manager.host.transport.network.receives import Piece, Receives, expected_from_op
 from resource_manager.host.transport.network.server import Alloc, DataServer
 
 log = logging.getLogger(__name__)
 
 RETRY_S = 30.0
 REFETCH_S = 5.0
+# Connections per peer by default: each flow's copies in and out of the kernel take a core, so more flows than
+# the host's cores only contend for them (on 2 cores, a weight sync over 4 took 15-20% more CPU than over 2).
+STREAMS = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 Directory = Callable[[], dict[Identity, dict]]
 
 
@@ -54,7 +57,8 @@ class NetworkConfig:
     """The data path's settings on one host (environment variables in parentheses).
 
     enabled: use the path at all (``PATHWAYS_NETWORK``: ``off``/``0``/``false`` turn it off).
-    streams: connections per peer a large send spreads over (``PATHWAYS_NETWORK_STREAMS``, default 4).
+    streams: connections per peer a large send spreads over (``PATHWAYS_NETWORK_STREAMS``; default ``STREAMS``:
+    4, or the host's cores if fewer).
     ports: the range the data server binds in (``PATHWAYS_NETWORK_PORTS``, e.g. ``47000-47100``; default any).
     max_rate: cap on the host's outgoing bytes/s, 0 for none (``PATHWAYS_NETWORK_MAX_RATE``).
     chunk_bytes: bytes per data frame. ceiling: the largest shard a peer may announce. unclaimed_limit: bytes
@@ -62,7 +66,7 @@ class NetworkConfig:
     """
 
     enabled: bool = True
-    streams: int = 4
+    streams: int = STREAMS
     ports: range | None = None
     max_rate: float = 0.0
     chunk_bytes: int = 8 << 20
@@ -73,7 +77,7 @@ class NetworkConfig:
     def from_env(cls, env: Mapping[str, str] = os.environ) -> NetworkConfig:
         """The settings from ``PATHWAYS_NETWORK*`` variables in ``env``; ValueError on a malformed number or range."""
         enabled = env.get("PATHWAYS_NETWORK", "on").strip().lower() not in ("off", "0", "false", "no")
-        return cls(enabled=enabled, streams=max(1, int(env.get("PATHWAYS_NETWORK_STREAMS", 4))),
+        return cls(enabled=enabled, streams=max(1, int(env.get("PATHWAYS_NETWORK_STREAMS", STREAMS))),
                    ports=_ports(env.get("PATHWAYS_NETWORK_PORTS", "").strip()),
                    max_rate=float(env.get("PATHWAYS_NETWORK_MAX_RATE", 0) or 0))
 
@@ -175,13 +179,14 @@ class NetworkPath(Transport):
         return self.links.probe((island, host), address, nbytes)
 
     # -- receiving ------------------------------------------------------------------------------------------
-    def _landed(self, key: int, sender: Identity, shard: Index, array: np.ndarray) -> None:
+    def _landed(self, key: int, sender: Identity, shard: Index, array: Piece) -> None:
         """A piece its plan routes from ``sender`` arrived whole (authenticated and checked by ``receives``)."""
         self._inbound.deliver(Deliver(key, sender[0], sender[1], (shard,)), (array,), sender)
 
-    def expect(self, key: int, op: Recv) -> None:
-        """A recv op was admitted here: accept the pieces its plan routes to this host."""
-        expected = expected_from_op(op, self.identity[1])
+    def expect(self, key: int, op: Recv, regions: tuple[Index, ...] | None = None) -> None:
+        """A recv op was admitted here: accept the pieces its plan routes to this host, landing them straight in
+        ``regions`` (the distinct regions of the local devices, when known)."""
+        expected = expected_from_op(op, self.identity[1], regions)
         if expected is not None:
             self.receives.expect(key, expected)
 

@@ -26,10 +26,12 @@ import numpy as np
 from pathways.ops import Recv
 from pathways.sharding import Index, dtype_from_wire
 from resource_manager.host.transport.network.frames import Identity
+from resource_manager.host.transport.network.scatter import Scattered, Target
 
 log = logging.getLogger(__name__)
 
-Accept = Callable[[int, Identity, Index, np.ndarray], None]  # (key, sending host, shard, array): an accepted piece
+Piece = np.ndarray | Scattered  # a shard that arrived whole: in a buffer of its own, or in its receive's target
+Accept = Callable[[int, Identity, Index, Piece], None]  # (key, sending host, shard, piece): an accepted piece
 LATER = "later"  # not registered yet: land, then stage
 OK = "ok"
 REMEMBER_DONE = 65536  # finished receives remembered, so late pieces for them are refused, not staged
@@ -44,22 +46,26 @@ class Expected:
     senders: dict[int, frozenset[Index]] | None
     dtype: np.dtype
     shape: tuple[int, ...]
+    target: Target | None = None  # where its pieces land, when known: then straight there (``scatter``)
 
 
 @dataclass
 class _Staged:
     sender: Identity
     shard: Index
-    array: np.ndarray
+    array: Piece
     since: float = field(default_factory=time.monotonic)
 
 
-def expected_from_op(op: Recv, host: int) -> Expected | None:
-    """What a recv op lets peers send to host ``host``; None when nothing of it lands here."""
+def expected_from_op(op: Recv, host: int, regions: tuple[Index, ...] | None = None) -> Expected | None:
+    """What a recv op lets peers send to host ``host``; None when nothing of it lands here. ``regions``: the
+    distinct regions of its local devices, which pieces then land in directly."""
     expect = op.expected(host)
     if expect is None:
         return None
-    return Expected(op.src, dict(expect.shards), dtype_from_wire(op.aval.dtype), tuple(op.aval.shape))
+    dtype = dtype_from_wire(op.aval.dtype)
+    return Expected(op.src, dict(expect.shards), dtype, tuple(op.aval.shape),
+                    None if regions is None else Target(regions, dtype))
 
 
 def _in_bounds(shard: Index, shape: tuple[int, ...]) -> bool:
@@ -141,6 +147,12 @@ class Receives:
             return f"the plan of receive {key} does not route shard {shard} from host {host} of island {island}"
         return OK
 
+    def target(self, key: int) -> Target | None:
+        """Where receive ``key``'s pieces land on this host, if it is registered with that."""
+        with self._lock:
+            expected = self._expected.get(key)
+        return None if expected is None else expected.target
+
     def reserve(self, nbytes: int) -> bool:
         """Room to land a piece for a receive not registered yet, within the budget of unclaimed bytes."""
         with self._lock:
@@ -155,7 +167,7 @@ class Receives:
         with self._lock:
             self.unclaimed_bytes -= nbytes
 
-    def landed(self, sender: Identity, key: int, shard: Index, array: np.ndarray, reserved: bool) -> None:
+    def landed(self, sender: Identity, key: int, shard: Index, array: Piece, reserved: bool) -> None:
         """A piece arrived whole: deliver it if its receive is registered (checked again: it may have finished
         meanwhile), else stage it. ``reserved``: it was landed under the unclaimed budget."""
         with self._lock:
@@ -170,7 +182,7 @@ class Receives:
                 self.unclaimed_bytes -= array.nbytes
         self._hand_over(sender, key, shard, array)
 
-    def _hand_over(self, sender: Identity, key: int, shard: Index, array: np.ndarray) -> None:
+    def _hand_over(self, sender: Identity, key: int, shard: Index, array: Piece) -> None:
         with self._lock:
             expected = self._expected.get(key)
         why = "it already finished" if expected is None else self._check(expected, sender, key, shard, array.dtype)

@@ -9,11 +9,14 @@ before its header is read), and every header is checked before a byte is allocat
 sizes must agree with the shard's region and stay under a hard ceiling, or the connection ends), and the piece
 must be one the plan routes from that sender (``receives``), or the frame's bytes are read and dropped.
 
-An accepted chunk is received with ``recv_into`` straight into the piece's landing buffer, taken from the
-host's buffer pool (64-byte aligned, so when the piece is exactly one device's region the device adopts the
-buffer as is: ``transfer.Landed``). A connection that breaks mid-chunk (the sending node died) drops the
-piece it was landing; ``drop`` releases every partial piece of a receive or island that will never finish.
-Dropped buffers go back to the pool as soon as the last thread writing into them lets go.
+An accepted chunk of a receive registered with where it lands (its ``scatter.Target``) is read straight into
+the devices' regions, cut into the runs each takes (``scatter``), and the piece reaches the receive side as
+``Scattered``. Otherwise (its receive is not admitted here yet) it is received with ``recv_into`` into the
+piece's landing buffer, taken from the host's buffer pool (64-byte aligned, so when the piece is exactly one
+device's region the device adopts the buffer as is: ``transfer.Landed``). A connection that breaks mid-chunk
+(the sending node died) drops the piece it was landing; ``drop`` releases every partial piece of a receive or
+island that will never finish. Dropped buffers go back to the pool as soon as the last thread writing into them
+lets go.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from resource_manager.doorway import Doorway
 from resource_manager.host.transport.network import frames
 from resource_manager.host.transport.network.frames import Header, Identity, ProtocolError
 from resource_manager.host.transport.network.receives import LATER, OK, Receives
+from resource_manager.host.transport.network.scatter import LAYOUTS, Layout, Scattered, Target, iovecs, receive
 
 log = logging.getLogger(__name__)
 
@@ -58,14 +62,15 @@ def bind(ip: str, ports: range | None) -> socket.socket:
 
 @dataclass(eq=False)
 class _Partial:
-    """A piece being landed: its buffer, the byte ranges that arrived (sorted, disjoint: a piece is whole only
-    when every byte was written once, so a landing buffer never hands back bytes it held before), and whether it
-    counts as unclaimed."""
+    """A piece being landed: its buffer (or, scattered, its receive's target and the shard's layout there), the
+    byte ranges that arrived (sorted, disjoint: a piece is whole only when every byte was written once, so a
+    landing buffer never hands back bytes it held before), and whether it counts as unclaimed."""
 
-    array: np.ndarray
-    view: memoryview
+    array: np.ndarray | None
+    view: memoryview | None
     total: int
     reserved: bool
+    scatter: tuple[Target, Layout] | None = None
     received: int = 0
     ranges: list[tuple[int, int]] = field(default_factory=list)
 
@@ -102,6 +107,7 @@ class DataServer:
         self.broken = 0
         self.bytes_in = 0
         self.pieces_in = 0
+        self.pieces_scattered = 0
         self.released_bytes = 0
         self.door = Doorway(self._listener, lambda: frames.accepting(secret, identity), self._admitted, "net")
 
@@ -168,6 +174,9 @@ class DataServer:
                 self._release(slot, piece)
             conn.skip(h.length)
             return
+        target = self._receives.target(h.key) if verdict == OK else None
+        if target is not None and target.dtype != h.dtype:
+            target = None  # (refused by the receive side once whole)
         with self._lock:
             piece = self._partials.get(slot)
             if piece is None:
@@ -176,14 +185,22 @@ class DataServer:
                     raise ProtocolError(f"{h.total} more bytes for receive {h.key}, which this host has not admitted "
                                         f"yet, would pass the budget of {self._receives.unclaimed_limit} unclaimed "
                                         "bytes")
-                array = self._alloc(h.shape, h.dtype)
-                piece = _Partial(array, frames.as_bytes(array), h.total, reserved)
+                if target is not None:  # straight into the devices' regions
+                    piece = _Partial(None, None, h.total, reserved,
+                                     (target, LAYOUTS.get(h.shard, target.regions, h.dtype.itemsize)))
+                else:
+                    array = self._alloc(h.shape, h.dtype)
+                    piece = _Partial(array, frames.as_bytes(array), h.total, reserved)
                 self._partials[slot] = piece
             elif piece.total != h.total:
                 raise ProtocolError(f"shard {h.shard} of receive {h.key} was {piece.total} bytes, now {h.total}")
             piece.claim(h.offset, h.length)
         try:
-            conn.read_into(piece.view[h.offset:h.offset + h.length])
+            if piece.scatter is None:
+                conn.read_into(piece.view[h.offset:h.offset + h.length])
+            else:
+                target, layout = piece.scatter
+                receive(conn.sock, iovecs(layout, target.bases(self._alloc), h.offset, h.length))
         except BaseException:
             self._release(slot, piece)
             raise
@@ -192,10 +209,13 @@ class DataServer:
             whole = piece.received >= piece.total and self._partials.get(slot) is piece
             if whole:
                 del self._partials[slot]
+                self.pieces_scattered += piece.scatter is not None
             self.bytes_in += h.length
             self.pieces_in += whole
         if whole:
-            self._receives.landed(peer, h.key, h.shard, piece.array, piece.reserved)
+            landed = piece.array if piece.scatter is None else Scattered(piece.scatter[0], h.shard, h.dtype,
+                                                                          piece.scatter[1].nbytes)
+            self._receives.landed(peer, h.key, h.shard, landed, piece.reserved)
 
     def _release(self, slot: tuple, piece: _Partial) -> None:
         with self._lock:
@@ -237,6 +257,7 @@ class DataServer:
                     "net_handshakes_expired": self.door.expired, "net_refused": self.refused,
                     "net_protocol_errors": self.protocol_errors,
                     "net_broken": self.broken, "net_bytes_in": self.bytes_in, "net_pieces_in": self.pieces_in,
+                    "net_pieces_scattered": self.pieces_scattered,
                     "net_partial_bytes": sum(p.total for p in self._partials.values()),
                     "net_released_bytes": self.released_bytes}
 

@@ -30,6 +30,7 @@ from resource_manager.host.transport.network.frames import Chunk, ProtocolError
 from resource_manager.host.transport.network.links import Links, NetworkError, connect
 from resource_manager.host.transport.network.path import NetworkConfig, NetworkPath, landing_alloc
 from resource_manager.host.transport.network.receives import Expected, Receives, expected_from_op
+from resource_manager.host.transport.network.scatter import Scattered, Target
 from resource_manager.host.transport.network.server import DataServer
 
 SECRET = b"s" * 32
@@ -233,6 +234,96 @@ def test_adopted_landing_buffers_become_device_memory_without_a_copy():
     del array, pieces, shard, buf
     gc.collect()
     assert pool.stats()["pool_free_bytes"] >= 4 * 16 * 8 * 4  # back in the pool once the array is gone
+
+
+# -- scattered: straight into the devices' regions ---------------------------------------------------------------
+
+def _column_blocks(n: int, cols: int, parts: int) -> tuple:
+    return tuple(((0, n), (k * cols // parts, (k + 1) * cols // parts)) for k in range(parts))
+
+
+def _quarters(n: int, cols: int) -> list:  # a (2, 2) layout: row halves by column halves
+    return [((a, b), (c, d)) for a, b in ((0, n // 2), (n // 2, n)) for c, d in ((0, cols // 2), (cols // 2, cols))]
+
+
+def _column_landing(n: int, cols: int) -> Landing:
+    devices = jax.devices()[:4]
+    sharding = NamedSharding(Mesh(np.array(devices), ("x",)), P(None, "x"))
+    return Landing((n, cols), np.dtype(np.float32), sharding, list(zip(devices, _column_blocks(n, cols, 4))))
+
+
+def expect_scattered(receives: Receives, key: int, shards: list, landing: Landing) -> None:
+    receives.expect(key, Expected(0, {0: frozenset(shards)}, landing.dtype, landing.shape,
+                                  Target(landing.regions, landing.dtype)))
+
+
+@pytest.mark.parametrize("streams,chunk", [(1, 8 << 20), (3, 10_000)])
+def test_a_resharded_receive_lands_straight_in_the_devices_regions(receiver, streams, chunk):
+    """(2, 2) quarters land as (1, 4) column blocks: each chunk read into the blocks it feeds, no regather, and
+    the devices adopt the blocks' buffers as they are."""
+    server, receives, got, pool = receiver
+    value = np.random.default_rng(3).standard_normal((512, 256)).astype(np.float32)
+    landing = _column_landing(512, 256)
+    shards = _quarters(512, 256)
+    expect_scattered(receives, 21, shards, landing)
+    links = Links(SENDER, SECRET, streams=streams, chunk_bytes=chunk, min_stream_bytes=1)
+    links.send(RECEIVER, server.address, 21, [(r, np.ascontiguousarray(value[r[0][0]:r[0][1], r[1][0]:r[1][1]]))
+                                              for r in shards])
+    landed = got.wait(4)
+    pieces = {shard: landed[(21, 0, shard)] for shard in shards}
+    assert all(type(p) is Scattered and p.nbytes == value.nbytes // 4 for p in pieces.values())
+    assert server.stats()["net_pieces_scattered"] == 4
+    array = assemble(landing, pieces, pool.take)
+    np.testing.assert_array_equal(np.asarray(array), value)
+    buffers = {b.ctypes.data for b in _target_of(pieces).buffers(pool.take)}
+    assert {shard.data.unsafe_buffer_pointer() for shard in array.addressable_shards} == buffers  # adopted as is
+    links.close()
+
+
+def _target_of(pieces: dict) -> Target:
+    return next(iter(pieces.values())).target
+
+
+def test_a_shard_that_came_before_its_receive_joins_the_scattered_ones(receiver):
+    """One quarter lands whole while its receive is not admitted yet; the rest, after, straight in the regions:
+    the landing copies the early one into the same buffers."""
+    server, receives, got, pool = receiver
+    value = np.random.default_rng(4).standard_normal((256, 128)).astype(np.float32)
+    landing = _column_landing(256, 128)
+    shards = _quarters(256, 128)
+    links = Links(SENDER, SECRET, streams=1)
+
+    def send(rs: list) -> None:
+        links.send(RECEIVER, server.address, 22, [(r, np.ascontiguousarray(value[r[0][0]:r[0][1], r[1][0]:r[1][1]]))
+                                                  for r in rs])
+
+    send(shards[:1])
+    wait_for(lambda: receives.stats()["net_staged"] == 1)
+    expect_scattered(receives, 22, shards, landing)
+    send(shards[1:])
+    landed = got.wait(4)
+    pieces = {shard: landed[(22, 0, shard)] for shard in shards}
+    assert [type(pieces[s]) for s in shards] == [Landed, Scattered, Scattered, Scattered]
+    np.testing.assert_array_equal(np.asarray(assemble(landing, pieces, pool.take)), value)
+    links.close()
+
+
+def test_a_sender_dying_mid_chunk_of_a_scattered_shard_delivers_nothing(receiver):
+    server, receives, got, pool = receiver
+    landing = _column_landing(256, 128)
+    shards = _quarters(256, 128)
+    expect_scattered(receives, 23, shards, landing)
+    conn = authenticated(server)
+    nbytes = 128 * 64 * 4
+    announce(conn, frames.encode_header(23, shards[0], "float32", nbytes, 0, nbytes), nbytes)
+    conn.sock.sendall(bytes(10_000))
+    wait_for(lambda: server.stats()["net_partial_bytes"] == nbytes)
+    conn.close()
+    wait_for(lambda: server.stats()["net_released_bytes"] == nbytes)
+    assert not got.pieces and server.stats()["net_pieces_scattered"] == 0
+    receives.finished(23)  # the receive fails: its regions' buffers go back to the pool
+    gc.collect()
+    assert pool.stats()["pool_free_bytes"] >= landing.nbytes
 
 
 # -- only the expected peer --------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ their places in the devices' regions, bytes no region wants go nowhere, and shor
 from __future__ import annotations
 
 import socket
+import struct
 import threading
 
 import numpy as np
@@ -12,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from pathways.sharding import Index, device_indices, intersection
 from resource_manager.host.buffer_pool import aligned_empty
+from resource_manager.host.transport.network import scatter
 from resource_manager.host.transport.network.scatter import SCRATCH, Layouts, Target, iovecs, receive
 
 
@@ -98,12 +100,51 @@ def test_a_shard_that_overlaps_no_region_is_read_and_dropped():
 
 
 @pytest.mark.parametrize("dribble", [1, 333, 4096])
-def test_short_reads_resume_inside_a_segment(dribble):
+def test_a_shard_arriving_in_small_writes_lands_whole(dribble):
     full = np.random.default_rng(2).standard_normal((32, 16, 8)).astype(np.float32)
     shard = ((0, 16), (0, 16), (0, 8))
     regions = (((0, 32), (0, 4), (0, 8)), ((0, 32), (4, 8), (0, 8)), ((0, 32), (8, 12), (0, 8)),
                ((0, 32), (12, 16), (0, 8)))  # runs of 128 bytes, four regions in turn
     _check(full, shard, regions, _land(full, shard, regions, [4096, 4100], dribble=dribble))
+
+
+def test_a_read_cut_short_resumes_inside_the_segment_it_stopped_in(monkeypatch):
+    """A read that returns early (here its socket's receive timeout; a signal does the same) goes on from the
+    byte where it stopped: the sender holds the rest until the first read has returned."""
+    full = np.random.default_rng(5).standard_normal((64, 64)).astype(np.float32)
+    shard = ((0, 64), (0, 64))
+    regions = (((0, 64), (0, 32)), ((0, 64), (32, 64)))
+    target = Target(regions, full.dtype)
+    layout = Layouts().get(shard, regions, 4)
+    data = full.tobytes()
+    a, b = socket.socketpair()
+    b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 200_000))
+    first_returned = threading.Event()
+    returns = []
+    real = scatter._recvmsg
+
+    def recvmsg(fd, msg, flags):
+        got = real(fd, msg, flags)
+        returns.append(got)
+        first_returned.set()
+        return got
+
+    monkeypatch.setattr(scatter, "_recvmsg", recvmsg)
+    split = 1000  # inside the eighth 128-byte run
+    a.sendall(data[:split])
+
+    def rest() -> None:
+        assert first_returned.wait(10)
+        a.sendall(data[split:])
+
+    sender = threading.Thread(target=rest, daemon=True)
+    sender.start()
+    receive(b, iovecs(layout, target.bases(aligned_empty), 0, len(data)))
+    sender.join(10)
+    assert returns[0] == split and sum(returns) == len(data)
+    np.testing.assert_array_equal(np.concatenate(target.buffers(aligned_empty), axis=1), full)
+    a.close()
+    b.close()
 
 
 def test_a_peer_closing_mid_stretch_is_an_error_not_a_hang():

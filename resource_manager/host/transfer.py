@@ -23,6 +23,7 @@ import math
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import numpy as np
@@ -157,16 +158,22 @@ def assemble(landing: Landing, pieces: dict[Index, Piece], alloc: Alloc = aligne
         copy_into(lent, landing.dtype.itemsize)
     if local:
         gather(local)
-    regions, seen = [], set()
-    for _, idx in landing.wanted:
-        if idx in seen:  # another device holds this region too: a buffer of its own (two never share one)
-            replica = alloc(firsts[idx].shape, landing.dtype)
-            np.copyto(replica, firsts[idx])
-            regions.append(replica)
+    return _on_devices(landing, _per_device([idx for _, idx in landing.wanted], firsts, landing.dtype, alloc))
+
+
+def _per_device(keys: Sequence[Any], buffers: Any, dtype: np.dtype, alloc: Alloc) -> list[np.ndarray]:
+    """Each device's buffer (``keys``: per device, its region's key in ``buffers``): the first device with a region
+    takes its buffer, any other a copy of its own, made here (two devices never share one buffer)."""
+    out, seen = [], set()
+    for key in keys:
+        if key in seen:
+            replica = alloc(buffers[key].shape, dtype)
+            np.copyto(replica, buffers[key])
+            out.append(replica)
         else:
-            seen.add(idx)
-            regions.append(firsts[idx])
-    return _on_devices(landing, regions)
+            seen.add(key)
+            out.append(buffers[key])
+    return out
 
 
 def _target(pieces: dict[Index, Piece], landing: Landing) -> Target | None:
@@ -238,16 +245,7 @@ def assemble_lent(batch: Sequence[tuple[Landing, dict[Index, Lent]]], alloc: All
     read_all(calls)
     landed = []
     for landing, plan, buffers in staged:
-        regions, seen = [], set()
-        for slot in plan.slots:
-            if slot in seen:  # another device holds this region too: a buffer of its own, copied locally
-                replica = alloc(buffers[slot].shape, landing.dtype)
-                np.copyto(replica, buffers[slot])
-                regions.append(replica)
-            else:
-                seen.add(slot)
-                regions.append(buffers[slot])
-        landed.append(_on_devices(landing, regions))
+        landed.append(_on_devices(landing, _per_device(plan.slots, buffers, landing.dtype, alloc)))
     return landed
 
 

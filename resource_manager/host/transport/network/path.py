@@ -32,7 +32,7 @@ from pathways.sharding import Index
 from resource_manager.host.transport.interface import Inbound, Peer, Sent, Transport
 from resource_manager.host.transport.network.frames import Identity
 from resource_manager.host.transport.network.links import Links, NetworkError
-from resource_manager.host.transport.network.receives import Piece, Receives, expected_from_op
+from resource_manager.host.transport.network.receives import Arrived, Receives, expected_from_op
 from resource_manager.host.transport.network.server import Alloc, DataServer
 
 log = logging.getLogger(__name__)
@@ -179,7 +179,7 @@ class NetworkPath(Transport):
         return self.links.probe((island, host), address, nbytes)
 
     # -- receiving ------------------------------------------------------------------------------------------
-    def _landed(self, key: int, sender: Identity, shard: Index, array: Piece) -> None:
+    def _landed(self, key: int, sender: Identity, shard: Index, array: Arrived) -> None:
         """A piece its plan routes from ``sender`` arrived whole (authenticated and checked by ``receives``)."""
         self._inbound.deliver(Deliver(key, sender[0], sender[1], (shard,)), (array,), sender)
 

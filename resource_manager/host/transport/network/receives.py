@@ -5,7 +5,8 @@ which host of the source island sends which shards to which host here. When an i
 its recv ops are registered here (``expect``), and a piece that arrives over the network is accepted only if
 its authenticated sender is a host the plan names for that receive and the shard is one that host was told
 to send, with the receive's dtype. Anything else is refused and logged. A receive that finished (or failed)
-is forgotten, and late pieces for it are refused as well.
+is forgotten, and late pieces for it are refused as well. A receive registered with where it lands on this host
+(a ``scatter.Target``) has its pieces read straight into the devices' regions (``server``).
 
 Pieces may arrive before their fragment is admitted here (the sending island ran ahead). They are landed
 anyway, under a budget of unclaimed bytes, and staged until the receive is registered, checked then, and
@@ -30,8 +31,8 @@ from resource_manager.host.transport.network.scatter import Scattered, Target
 
 log = logging.getLogger(__name__)
 
-Piece = np.ndarray | Scattered  # a shard that arrived whole: in a buffer of its own, or in its receive's target
-Accept = Callable[[int, Identity, Index, Piece], None]  # (key, sending host, shard, piece): an accepted piece
+Arrived = np.ndarray | Scattered  # a shard that arrived whole: in a buffer of its own, or in its receive's target
+Accept = Callable[[int, Identity, Index, Arrived], None]  # (key, sending host, shard, piece): an accepted piece
 LATER = "later"  # not registered yet: land, then stage
 OK = "ok"
 REMEMBER_DONE = 65536  # finished receives remembered, so late pieces for them are refused, not staged
@@ -53,7 +54,7 @@ class Expected:
 class _Staged:
     sender: Identity
     shard: Index
-    array: Piece
+    array: Arrived
     since: float = field(default_factory=time.monotonic)
 
 
@@ -167,7 +168,7 @@ class Receives:
         with self._lock:
             self.unclaimed_bytes -= nbytes
 
-    def landed(self, sender: Identity, key: int, shard: Index, array: Piece, reserved: bool) -> None:
+    def landed(self, sender: Identity, key: int, shard: Index, array: Arrived, reserved: bool) -> None:
         """A piece arrived whole: deliver it if its receive is registered (checked again: it may have finished
         meanwhile), else stage it. ``reserved``: it was landed under the unclaimed budget."""
         with self._lock:
@@ -182,7 +183,7 @@ class Receives:
                 self.unclaimed_bytes -= array.nbytes
         self._hand_over(sender, key, shard, array)
 
-    def _hand_over(self, sender: Identity, key: int, shard: Index, array: Piece) -> None:
+    def _hand_over(self, sender: Identity, key: int, shard: Index, array: Arrived) -> None:
         with self._lock:
             expected = self._expected.get(key)
         why = "it already finished" if expected is None else self._check(expected, sender, key, shard, array.dtype)

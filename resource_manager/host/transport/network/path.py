@@ -39,9 +39,11 @@ log = logging.getLogger(__name__)
 
 RETRY_S = 30.0
 REFETCH_S = 5.0
-# Connections per peer by default: each flow's copies in and out of the kernel take a core, so more flows than
-# the host's cores only contend for them (on 2 cores, a weight sync over 4 took 15-20% more CPU than over 2).
-STREAMS = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+# Connections per peer by default: one per two cores, up to 4. A flow's copies into and out of the kernel take a
+# core, and the host's executor, its landing and TCP's own work need the rest: on 2 cores a weight sync over 4
+# connections took 15-20% more CPU than over 2, and over 2 more than over 1 (docs/performance.md).
+STREAMS = max(1, min(4, (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+                     // 2))
 Directory = Callable[[], dict[Identity, dict]]
 
 
@@ -58,7 +60,7 @@ class NetworkConfig:
 
     enabled: use the path at all (``PATHWAYS_NETWORK``: ``off``/``0``/``false`` turn it off).
     streams: connections per peer a large send spreads over (``PATHWAYS_NETWORK_STREAMS``; default ``STREAMS``:
-    4, or the host's cores if fewer).
+    one per two cores of the host, 1 to 4).
     ports: the range the data server binds in (``PATHWAYS_NETWORK_PORTS``, e.g. ``47000-47100``; default any).
     max_rate: cap on the host's outgoing bytes/s, 0 for none (``PATHWAYS_NETWORK_MAX_RATE``).
     chunk_bytes: bytes per data frame. ceiling: the largest shard a peer may announce. unclaimed_limit: bytes

@@ -18,15 +18,13 @@ stretches are cut so that several threads share them, and a landing of few bytes
 from __future__ import annotations
 
 import math
-import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from pathways.sharding import Index, intersection
-from resource_manager.host.transport.direct import CHUNK, IOV_MAX, Lent, segments
+from resource_manager.host.transport.direct import CHUNK, IOV_MAX, Kept, Lent, segments
 
 PLAN_BYTES = 64 << 20  # the most bytes of offsets the host keeps in plans; the least recently used go first
 
@@ -79,45 +77,17 @@ def _shape(region: Index) -> tuple[int, ...]:
     return tuple(b - a for a, b in region)
 
 
-class Plans:
-    """The host's plans by (wanted regions, piece regions, itemsize), within ``limit`` bytes of offsets. Thread-safe:
-    receives on several threads share it. Regions come from admitted ops and authenticated peers; a tenant that
-    varies its shapes only churns the cache, whose bytes stay bounded."""
+class Plans(Kept[CopyPlan]):
+    """The host's plans by (wanted regions, piece regions, itemsize), within ``limit`` bytes of offsets; receives on
+    several threads share it."""
 
     def __init__(self, limit: int = PLAN_BYTES) -> None:
-        self.limit = limit
-        self._lock = threading.Lock()
-        self._plans: OrderedDict[tuple, CopyPlan] = OrderedDict()
-        self.nbytes = 0
-        self.made = 0
-        self.reused = 0
-
-    def get(self, wanted: tuple[Index, ...], pieces: tuple[Index, ...], itemsize: int) -> CopyPlan:
-        """The plan for this landing: made on first use, then the same one (ValueError as ``make``)."""
-        key = (wanted, pieces, itemsize)
-        with self._lock:
-            found = self._plans.get(key)
-            if found is not None:
-                self._plans.move_to_end(key)
-                self.reused += 1
-                return found
-        made = make(wanted, pieces, itemsize)
-        size = made.offsets_bytes
-        with self._lock:
-            self.made += 1
-            if size <= self.limit and key not in self._plans:
-                self._plans[key] = made
-                self.nbytes += size
-                while self.nbytes > self.limit:
-                    _, old = self._plans.popitem(last=False)
-                    self.nbytes -= old.offsets_bytes
-        return made
+        super().__init__(make, limit)
 
     def stats(self) -> dict[str, int]:
         """Plans kept, their bytes, plans made and plans reused."""
-        with self._lock:
-            return {"copy_plans": len(self._plans), "copy_plan_bytes": self.nbytes, "copy_plans_made": self.made,
-                    "copy_plans_reused": self.reused}
+        return {"copy_plans": len(self), "copy_plan_bytes": self.nbytes, "copy_plans_made": self.made,
+                "copy_plans_reused": self.reused}
 
 
 def make(wanted: tuple[Index, ...], pieces: tuple[Index, ...], itemsize: int) -> CopyPlan:

@@ -27,8 +27,10 @@ import os
 import queue
 import sys
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
@@ -40,6 +42,7 @@ THREADS = max(1, min(4, os.cpu_count() or 1))  # threads copying one read_all: i
 INLINE_BYTES = 1 << 20  # reads of at most this many bytes in all run on the calling thread
 READ_TIMEOUT_S = 120.0  # the longest a caller waits for a read thread to finish a call it took (a GiB is < 1 s)
 PROBE = bytes(range(64))
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -141,6 +144,45 @@ def segments(have: Index, regions: Sequence[Index], itemsize: int
     src, dst, lengths, outs = (np.concatenate(p) for p in zip(*parts))
     order = np.argsort(src, kind="stable")
     return src[order], dst[order], lengths[order], outs[order]
+
+
+class Kept(Generic[T]):
+    """Things made from regions (copy plans, layouts) by key, within ``limit`` bytes of offsets (each one's
+    ``offsets_bytes``); the least recently used go first. Thread-safe. Regions come from admitted ops and
+    authenticated peers; a tenant that varies its shapes only churns the cache, whose bytes stay bounded."""
+
+    def __init__(self, make: Callable[..., T], limit: int) -> None:
+        self._make = make
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._kept: OrderedDict[tuple, T] = OrderedDict()
+        self.nbytes = 0
+        self.made = 0
+        self.reused = 0
+
+    def get(self, *key: Any) -> T:
+        """``make(*key)``: made on first use, then the same one (what ``make`` raises, otherwise)."""
+        with self._lock:
+            found = self._kept.get(key)
+            if found is not None:
+                self._kept.move_to_end(key)
+                self.reused += 1
+                return found
+        made = self._make(*key)
+        size = made.offsets_bytes
+        with self._lock:
+            self.made += 1
+            if size <= self.limit and key not in self._kept:
+                self._kept[key] = made
+                self.nbytes += size
+                while self.nbytes > self.limit:
+                    _, old = self._kept.popitem(last=False)
+                    self.nbytes -= old.offsets_bytes
+        return made
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._kept)
 
 
 def copy_into(jobs: Sequence[tuple[Lent, np.ndarray, Index]], itemsize: int) -> int:

@@ -19,14 +19,13 @@ import math
 import os
 import socket
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from pathways.sharding import Index
-from resource_manager.host.transport.direct import IOV_MAX, segments
+from resource_manager.host.transport.direct import IOV_MAX, Kept, segments
 
 Alloc = Callable[[Sequence[int], np.dtype], np.ndarray]
 SCRATCH = 1 << 16  # where bytes no local device wants are read to (a gap longer than this takes several segments)
@@ -115,33 +114,12 @@ class Layout:
 _EMPTY = Layout(*(np.zeros(0, np.int64) for _ in range(5)), nbytes=0, whole=False)
 
 
-class Layouts:
-    """Shards' layouts by (shard, regions, itemsize), within ``limit`` bytes of offsets. Thread-safe: the data
-    server's connections share it. A weight sync lands the same shards into the same regions every step."""
+class Layouts(Kept[Layout]):
+    """Shards' layouts by (shard, regions, itemsize), within ``limit`` bytes of offsets; the data server's
+    connections share it. A weight sync lands the same shards into the same regions every step."""
 
     def __init__(self, limit: int = CACHE_BYTES) -> None:
-        self.limit = limit
-        self._lock = threading.Lock()
-        self._kept: OrderedDict[tuple, Layout] = OrderedDict()
-        self.nbytes = 0
-
-    def get(self, shard: Index, regions: tuple[Index, ...], itemsize: int) -> Layout:
-        """The layout of ``shard`` in ``regions``: made on first use, then the same one."""
-        key = (shard, regions, itemsize)
-        with self._lock:
-            found = self._kept.get(key)
-            if found is not None:
-                self._kept.move_to_end(key)
-                return found
-        made = _layout(shard, regions, itemsize)
-        with self._lock:
-            if made.offsets_bytes <= self.limit and key not in self._kept:
-                self._kept[key] = made
-                self.nbytes += made.offsets_bytes
-                while self.nbytes > self.limit:
-                    _, old = self._kept.popitem(last=False)
-                    self.nbytes -= old.offsets_bytes
-        return made
+        super().__init__(_layout, limit)
 
 
 def _layout(shard: Index, regions: tuple[Index, ...], itemsize: int) -> Layout:

@@ -131,28 +131,34 @@ class Receiver:
 
     # -- filing -------------------------------------------------------------------------------------------
     def deliver(self, msg: Deliver, pieces: Sequence[Any], sender: Sender) -> None:
-        """File pieces from ``sender`` for receive ``msg.key``."""
+        """File pieces from ``sender`` for receive ``msg.key``; the executor is told unless the receive's op, admitted,
+        still waits for more of them (a weight sync's receive gets several pieces: waking the executor for each
+        cost the receiving thread a hand-over of the interpreter lock per piece)."""
         with self._lock:
-            self._file(msg, pieces, sender)
-        self._touch()
+            waiting = self._file(msg, pieces, sender)
+        if not waiting:
+            self._touch()
 
-    def _file(self, msg: Deliver, pieces: Sequence[Any], sender: Sender) -> None:
+    def _file(self, msg: Deliver, pieces: Sequence[Any], sender: Sender) -> bool:
+        """File the pieces (the lock held); True when the receive's op was admitted and still waits for pieces that
+        have not come, so nothing the executor runs can change yet."""
         key = msg.key
         box = self.mailbox.get(key)
         if key in self._finished or key in self._refusals or key in self._landing or \
                 (box is None and len(self.mailbox) >= MAX_MAILBOXES):
             self._give_back(pieces)  # (a receive being landed has all its pieces: what comes now is extra)
-            return
+            return False
         nbytes = sum(_piece_bytes(p) for p in pieces)
         if box is None:
             owner = self._owner(key)
             if owner is None:  # no session minted this id: nobody will ever claim it
                 self._give_back(pieces)
-                return
+                return False
             tenant, budgets = owner
             held = self._held.setdefault(tenant, [0, 0])
             if held[0] >= budgets.mailboxes:
-                return self._refuse(key, pieces, over("mailboxes", held[0], 1, budgets.mailboxes, "receives"))
+                self._refuse(key, pieces, over("mailboxes", held[0], 1, budgets.mailboxes, "receives"))
+                return False
             box = self.mailbox[key] = Mailbox(tenant)
             held[0] += 1
         held = self._held[box.tenant]
@@ -160,7 +166,8 @@ class Receiver:
         limit = budget[1].parked_bytes if budget is not None else 0
         if held[1] + nbytes > limit:
             self._drop_box(key)
-            return self._refuse(key, pieces, over("parked_bytes", held[1], nbytes, limit, "bytes"))
+            self._refuse(key, pieces, over("parked_bytes", held[1], nbytes, limit, "bytes"))
+            return False
         if msg.failure is not None:
             box.failure = Failure(*msg.failure)
         for shard, data in zip(msg.shards, pieces):
@@ -180,8 +187,11 @@ class Receiver:
         watch = self._watches.get(key)
         if watch is not None and self._complete(box, watch.count, watch.allowed):
             self._land_watch(key)
-        if key in self._ready:
-            self._land_early(key, box)
+        ready = self._ready.get(key)
+        if ready is None:
+            return False
+        self._land_early(key, box)
+        return watch is None and not self._complete(box, ready[1], ready[0])
 
     def _land_early(self, key: int, box: Mailbox) -> None:
         """Queue a receive for a landing thread, if its op was admitted, every piece is here, and its tenant's

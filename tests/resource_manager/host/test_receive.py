@@ -227,10 +227,33 @@ def test_a_parked_receive_is_reported_when_its_source_island_fails_or_it_times_o
     assert other.receiver.take_landed() == [(3, 0)]
 
 
-def test_every_delivery_wakes_the_executor(side):
+def test_every_delivery_for_a_receive_not_admitted_yet_wakes_the_executor(side):
     left, _ = halves()
     side.deliver((1, 0), (LEFT, left))
     side.deliver((1, 0), (LEFT, left))
+    assert side.touched == 2
+
+
+def test_an_admitted_receive_wakes_the_executor_once_its_last_piece_is_here(side):
+    """Its op waits for every piece: the ones before the last change nothing it could do, and waking the executor
+    for each cost the receiving thread a hand-over per piece."""
+    left, right = halves()
+    side.receiver.expect(KEY, RECV, RECV.expected(0), side.landing)
+    side.deliver((1, 1), (RIGHT, right))
+    assert side.touched == 0 and not side.recv()
+    side.deliver((1, 0), (LEFT, left))
+    assert side.touched == 1 and side.recv()
+    np.testing.assert_array_equal(side.value(), np.arange(8, dtype=np.float32))
+
+
+def test_a_failure_or_a_parked_receive_wakes_the_executor_at_once(side):
+    left, _ = halves()
+    side.receiver.expect(KEY, RECV, RECV.expected(0), side.landing)
+    side.deliver((1, 1), failure=("IslandFailedError", "the sender's computation failed"))
+    assert side.touched == 1
+    side.receiver.expect(KEY + 1, RECV, RECV.expected(0), side.landing)
+    side.receiver.watch(7, 0, KEY + 1, RECV, RECV.expected(0))
+    side.deliver((1, 0), (LEFT, left), key=KEY + 1)
     assert side.touched == 2
 
 

@@ -169,10 +169,10 @@ def test_a_fetch_waiting_on_one_thread_holds_up_nothing_on_another(cluster):
 class Scenario:
     """tests/support/elastic_scenario.py, started when a test first needs it; its JSON lines by case."""
 
-    def __init__(self, cache: str) -> None:
+    def __init__(self) -> None:
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), str(SUPPORT), env.get("PYTHONPATH")) if p)
-        env.update(compile_cache_env(cache))  # the restarted pods' warm-ups compile what their first hosts did
+        env.update(compile_cache_env())  # the restarted pods' warm-ups compile what their first hosts did
         proc = subprocess.run([sys.executable, script("elastic_scenario.py")], env=env,
                               capture_output=True, text=True, timeout=600)
         lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -186,8 +186,8 @@ class Scenario:
 
 
 @pytest.fixture(scope="module")
-def scenario(tmp_path_factory):
-    return Scenario(str(tmp_path_factory.mktemp("compile-cache")))
+def scenario():
+    return Scenario()
 
 
 def _kinds(events: list[dict]) -> list[tuple[str, int | None]]:

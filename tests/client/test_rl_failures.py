@@ -16,9 +16,9 @@ from suite_paths import ROOT, SUPPORT, script
 
 @pytest.mark.cluster
 @pytest.mark.own_cluster
-def test_a_killed_sampler_costs_its_rollouts_and_a_killed_trainer_fails_clearly(tmp_path):
+def test_a_killed_sampler_costs_its_rollouts_and_a_killed_trainer_fails_clearly():
     path = os.pathsep.join(p for p in (str(ROOT), str(SUPPORT), os.environ.get("PYTHONPATH")) if p)
-    env = dict(os.environ, PYTHONPATH=path, **compile_cache_env(tmp_path / "cache"))
+    env = dict(os.environ, PYTHONPATH=path, **compile_cache_env())
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.run([sys.executable, script("rl_failure_scenario.py")], capture_output=True, text=True,
                           timeout=400, env=env, cwd=ROOT)

@@ -28,10 +28,10 @@ pytestmark = pytest.mark.cluster  # starts its own cluster
 class Scenarios:
     """The scenario script, started at once and read when a test first needs its results."""
 
-    def __init__(self, cache: str) -> None:
+    def __init__(self) -> None:
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # RAY_TMPDIR stays: its cluster goes there
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)  # it imports examples
-        env.update(compile_cache_env(cache))  # the restarted island's warm-up compiles what its first host did
+        env.update(compile_cache_env())  # the restarted island's warm-up, and PaLM's step, compile what others did
         self.proc = subprocess.Popen([sys.executable, script("multinode_scenarios.py")], env=env,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self._results: dict | None = None
@@ -59,8 +59,8 @@ class Scenarios:
 
 
 @pytest.fixture(scope="module")
-def scenarios(tmp_path_factory):
-    runs = Scenarios(str(tmp_path_factory.mktemp("compile-cache")))
+def scenarios():
+    runs = Scenarios()
     yield runs
     runs.stop()
 

@@ -61,7 +61,7 @@ def main(folder: str) -> None:
         island = pw.status().islands[1]
         if island.healthy and island.epoch >= 1:
             break
-        time.sleep(0.5)
+        time.sleep(0.2)
     resumed = train(options(out, resume=True))
     result.update(straight_losses=straight.losses, resumed_losses=resumed.losses, resumed_steps=resumed.steps,
                   same_bits=leaves(straight.final_checkpoint) == leaves(resumed.final_checkpoint))

@@ -34,7 +34,15 @@ from jax.sharding import NamedSharding
 from pathways.sharding import Index, intersection
 from resource_manager.host.buffer_pool import aligned_empty
 from resource_manager.host.copy_plan import Plans, check_cover
-from resource_manager.host.transport.direct import CHUNK, INLINE_BYTES, THREADS, Lent, copy_into, read_all
+from resource_manager.host.transport.direct import (
+    CHUNK,
+    INLINE_BYTES,
+    READ_TIMEOUT_S,
+    THREADS,
+    Lent,
+    copy_into,
+    read_all,
+)
 from resource_manager.host.transport.network.scatter import Scattered, Target
 
 Alloc = Callable[[Sequence[int], np.dtype], np.ndarray]
@@ -208,7 +216,7 @@ def gather(copies: list[tuple[np.ndarray, tuple, np.ndarray, tuple]]) -> None:
             out[dst] = data[src]
         return
     for future in [_gatherers.submit(_copy, *slab) for slab in slabs]:
-        future.result()
+        future.result(timeout=READ_TIMEOUT_S)  # TimeoutError: the receive fails, its op says how long it took
 
 
 def _copy(out: np.ndarray, dst: tuple, data: np.ndarray, src: tuple) -> None:

@@ -187,7 +187,7 @@ def receive(sock: socket.socket, iov: np.ndarray) -> None:
     nor for the interpreter lock, each time a few packets arrived). ConnectionError if the peer closes first;
     OSError as the socket's reads."""
     msg = _MsgHdr()
-    i = 0
+    i, left = 0, int(iov[:, 1].sum())
     while i < len(iov):
         part = iov[i:i + IOV_MAX]
         msg.msg_iov, msg.msg_iovlen = part.ctypes.data, len(part)
@@ -199,6 +199,9 @@ def receive(sock: socket.socket, iov: np.ndarray) -> None:
             raise OSError(err, f"reading a shard off the network failed: {os.strerror(err)}")
         if got == 0:
             raise ConnectionError("the other side closed the connection")
+        left -= got
+        if not left:  # the usual read: MSG_WAITALL filled every segment at once
+            return
         ends = np.cumsum(part[:, 1], dtype=np.int64)
         whole = int(np.searchsorted(ends, got, "right"))  # segments filled completely
         i += whole

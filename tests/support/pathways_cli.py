@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import stat
 import subprocess
 import sys
@@ -15,6 +16,24 @@ from command import head
 
 def mode(path: Path) -> int:
     return stat.S_IMODE(path.stat().st_mode)
+
+
+def lasting_ports(count: int) -> list[int]:
+    """``count`` distinct ports free now, above Ray's worker ports (10002-19999) and below the kernel's ephemeral
+    range, so that neither a Ray worker nor an outgoing connection of another process (the other worker's clusters)
+    takes one while this home's runtime is down: its `up`s reuse them for the whole module, as a user's fixed ports
+    (6379, 7100) are reused."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    ports: list[int] = []
+    for port in random.sample(range(20000, max(low, 21000)), 500):
+        if head.port_free(port):
+            ports.append(port)
+            if len(ports) == count:
+                return ports
+    raise AssertionError(f"fewer than {count} of 500 ports tried below {low} are free")
 
 
 class Cli:
@@ -29,7 +48,7 @@ class Cli:
         self.env.update(PATHWAYS_HOME=str(home), PATHWAYS_TMPDIR=str(tmpdir))
         self.home, self.workdir = home, workdir
         self.command = [sys.executable, "-m", "command"]
-        self.port, self.client_port = head.free_ports(2, set())
+        self.port, self.client_port = lasting_ports(2)
         self.topology = ["--islands", "1", "--hosts-per-island", "1", "--devices-per-host", "2"]
 
     def __call__(self, *args: str, timeout: float = 120.0, ok: bool = True,

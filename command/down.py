@@ -19,7 +19,7 @@ def cmd_down(args: argparse.Namespace) -> int:
             "started elsewhere is stopped where it was started)")
         return 0
     if state.phase == "starting":
-        took = head.stop_head(state.head_pid, state.temp_dir, timeout=5.0) if state.head_pid else 0.0
+        took = head.stop_head(state.head_pid, state.temp_dir) if state.head_pid else 0.0
         head.clear_state()
         print(f"stopped what an interrupted `pathways up` left (the Ray head, pid {state.head_pid}, {took:.1f}s)"
               if state.head_pid else "forgot an interrupted `pathways up` that had started nothing")
@@ -35,7 +35,7 @@ def cmd_down(args: argparse.Namespace) -> int:
                 raise
             print(f"the runtime did not stop cleanly ({exc}); stopping its Ray head")
     if state.owns_head:
-        took = head.stop_head(state.head_pid, state.temp_dir, args.timeout)
+        took = head.stop_head(state.head_pid, state.temp_dir)
         print(f"stopped the Ray head that `pathways up` started ({took:.1f}s)")
     else:
         print(f"left the Ray cluster at {state.ray_address} running: `pathways up` did not start it")

@@ -172,6 +172,12 @@ def ensure_ray_token() -> None:
         os.chmod(path, 0o600)
 
 
+# How long the head's daemons get to end by themselves before they are killed. On SIGTERM, `ray start --block` ends
+# them one at a time, allowing each 1 s (3-4 s in all), and keeps nothing worth the wait: the runtime on it was
+# stopped first, and its temp dir is removed.
+HEAD_GRACE_S = 0.5
+
+
 class _SlowStart(Exception):
     """Ray gave up on its own raylet: it allows it 30 s to register, which a busy machine can exceed."""
 
@@ -222,7 +228,7 @@ def _start_head(port: int, num_cpus: int | None, deadline: float, record: callab
     while not address_file.exists() or not address_file.read_text().strip():
         if proc.poll() is not None:
             text = log_path.read_text(errors="replace")
-            stop_head(proc.pid, temp_dir, timeout=5)
+            stop_head(proc.pid, temp_dir)
             if "timed out during startup" in text:
                 raise _SlowStart("Ray gave its raylet 30 s to register, and the machine is busy")
             lines = [line.strip() for line in text.splitlines() if line.strip()]
@@ -271,19 +277,19 @@ def processes_of(temp_dir: str) -> list[int]:
     return [p for p in out if p != os.getpid()]
 
 
-def stop_head(pid: int, temp_dir: str, timeout: float = 30.0) -> float:
-    """SIGTERM the head's process group (``ray start --block`` then stops every Ray process it started),
-    SIGKILL it after ``timeout``; then end whatever of that head outlived it (a head interrupted while it was
-    starting leaves its daemons behind), and remove its temp dir. Returns the seconds it took."""
+def stop_head(pid: int, temp_dir: str) -> float:
+    """SIGTERM the head's process group, SIGKILL it after ``HEAD_GRACE_S``; then end whatever of that head outlived it
+    (a head interrupted while it was starting leaves its daemons behind), and remove its temp dir. Returns the
+    seconds it took."""
     t0 = time.monotonic()
-    deadline = t0 + timeout
+    deadline = t0 + HEAD_GRACE_S
     if is_our_head(pid, temp_dir):
         try:
             os.killpg(pid, signal.SIGTERM)
         except ProcessLookupError:
             pass
         while is_our_head(pid, temp_dir) and time.monotonic() < deadline:
-            time.sleep(0.1)
+            time.sleep(0.05)
         if is_our_head(pid, temp_dir):
             os.killpg(pid, signal.SIGKILL)
     quiet_since, end = None, time.monotonic() + 10.0  # a daemon may still be starting: sweep until none shows up

@@ -73,7 +73,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                        args.timeout + 60)
     except BaseException:  # Ctrl-C, a kill, a failure: take down what this `up` started, and forget it
         if started["pid"] is not None:
-            head.stop_head(started["pid"], started["dir"], timeout=5.0)
+            head.stop_head(started["pid"], started["dir"])
         head.clear_state()
         raise
     head_pid, temp_dir = started["pid"], started["dir"]
@@ -160,7 +160,7 @@ def _leftovers() -> None:
         return
     if state.phase == "starting":
         if head.head_alive(state) or (state.temp_dir and head.processes_of(state.temp_dir)):
-            took = head.stop_head(state.head_pid, state.temp_dir, timeout=5.0)
+            took = head.stop_head(state.head_pid, state.temp_dir)
             print(f"stopped the Ray head an interrupted `pathways up` left (pid {state.head_pid}, {took:.1f}s)",
                   flush=True)
         head.clear_state()

@@ -90,4 +90,4 @@ def stop_head_of(run: Cli) -> None:
     """Never leave a head behind, whatever a test did to it."""
     state = run.state()
     if state and state["head_pid"]:
-        head.stop_head(state["head_pid"], state["temp_dir"], timeout=10)
+        head.stop_head(state["head_pid"], state["temp_dir"])

@@ -3,8 +3,8 @@
 A host that misses ``STRIKES`` health checks in a row, dies, or says its executor died fails its island. A
 failed island leaves placement and every host hears of it (receives from it stop waiting); the resource manager
 restarts it (``resource_manager.manager``) and, once its new hosts know every session and slice, it is back in
-service. What each island holds per tenant is counted every ``CENSUS_S`` seconds, so that a restart says what
-was lost. The admin may also take an island out of placement, or put it back.
+service. Each health check also counts what the island holds per tenant (each host's answer carries its count),
+so that a restart says what was lost. The admin may also take an island out of placement, or put it back.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ class IslandHealth:
         """Why ``island`` failed, or None while its hosts answer."""
         refs = [h.health.remote(self._fleet.sign(island.index, k, "health")) for k, h in enumerate(island.hosts)]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=PING_TIMEOUT)
-        reason = None
+        reason, counts = None, []
         for k, ref in enumerate(refs):
             with self._lock:
                 if ref not in ready:
@@ -120,6 +120,9 @@ class IslandHealth:
                 return f"host {k} died ({type(exc).__name__})"
             if not health["ok"]:
                 return health["reason"]
+            counts.append(health["census"])
+        if len(counts) == len(refs):
+            self._count(island, counts)
         return reason
 
     def _failed(self, island: Island, reason: str) -> dict | None:
@@ -160,7 +163,7 @@ class IslandHealth:
 
     # -- what each island holds ---------------------------------------------------------------------------
     def take_census(self) -> None:
-        """Count what each healthy island holds per tenant, kept so a restart can say what was lost."""
+        """Count what each healthy island holds per tenant now (health checks count it too, each time)."""
         if self._phase.now != RUNNING:
             return
         for island in self.healthy():
@@ -169,12 +172,17 @@ class IslandHealth:
                 counts = ray.get(refs, timeout=PING_TIMEOUT)
             except Exception:  # the health check handles a host that does not answer
                 continue
-            total: dict[str, tuple[int, int]] = {}
-            for by_tenant in counts:
-                for tenant, (n, b) in by_tenant.items():
-                    old = total.get(tenant, (0, 0))
-                    total[tenant] = (old[0] + n, old[1] + b)
-            with self._lock:
+            self._count(island, counts)
+
+    def _count(self, island: Island, counts: list[dict]) -> None:
+        """Keep ``island``'s census: its hosts' counts (buffers, bytes) per tenant, summed."""
+        total: dict[str, tuple[int, int]] = {}
+        for by_tenant in counts:
+            for tenant, (n, b) in by_tenant.items():
+                old = total.get(tenant, (0, 0))
+                total[tenant] = (old[0] + n, old[1] + b)
+        with self._lock:
+            if self._fleet.island(island.index) is island and island.index not in self._restarting:
                 self._census[island.index] = total
 
     def census(self) -> dict[int, dict[str, tuple[int, int]]]:

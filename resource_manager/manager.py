@@ -45,7 +45,6 @@ from resource_manager.view import ClusterView, cluster_state
 
 ISLAND_CHECK_S = 1.0
 SESSION_CHECK_S = 0.5
-CENSUS_S = 1.0  # how often the buffers each tenant holds are counted (what a restart says was lost)
 RESTART_TIMEOUT = 120.0
 RESTART_RETRY_S = 15.0
 log = logging.getLogger(__name__)
@@ -179,14 +178,10 @@ class ResourceManager:
                 log.exception("resource manager: watching sessions failed")
 
     def _watch_islands(self) -> None:
-        last_census = 0.0
         while True:
             time.sleep(ISLAND_CHECK_S)
             try:
                 self._check_islands()
-                if time.monotonic() - last_census > CENSUS_S:
-                    last_census = time.monotonic()
-                    self.health.take_census()
             except Exception:  # the watch must outlive any one mistake
                 log.exception("resource manager: checking the islands failed")
 

@@ -12,15 +12,15 @@ import logging
 import secrets
 import signal
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
 from pathways import auth
 from pathways.errors import TenantAccessError
-from resource_manager.jobs import JobRunner
-from resource_manager.manager import Config, ResourceManager
-from resource_manager.service import ManagerService
+
+if TYPE_CHECKING:
+    from resource_manager.manager import ResourceManager
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,12 @@ class ManagerActor:
     """Holds the resource manager, its job runner and its client endpoint; ``config`` is a ``Config``'s fields."""
 
     def __init__(self, config: dict, client_ports: list[int] | None = None) -> None:
+        # Here, not at the top: the launcher imports this module for the class and ``launch_mac`` alone, and the
+        # manager's modules (JAX among them, 0.8 s) load only in the actor's own process.
+        from resource_manager.jobs import JobRunner
+        from resource_manager.manager import Config, ResourceManager
+        from resource_manager.service import ManagerService
+
         self._config = Config(**config)
         runtime_key, runtime_id = auth.new_key(), secrets.token_hex(8)
         self._rm = ResourceManager(self._config, runtime_key, runtime_id)

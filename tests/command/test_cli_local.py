@@ -224,6 +224,15 @@ def test_the_command_imports_neither_ray_nor_jax_to_start():
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr[-2000:]
 
 
+def test_the_launcher_imports_no_jax():
+    """`pathways up`/`down` and `pw.init()`'s launcher import the manager's actor class and sign with its key, and
+    the manager's modules (JAX among them) load only in the actor's process: JAX costs a launch 0.8 s of CPU."""
+    code = ("import sys\nimport resource_manager.launch\nfrom resource_manager.actor import ManagerActor, launch_mac\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'jax'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", (out.stdout[-2000:], out.stderr[-2000:])
+
+
 def test_format_and_required_arguments():
     assert tables.table(["A", "LONG"], [[1, "x"], ["wide", 2]]).splitlines() == ["A     LONG", "1     x", "wide  2"]
     with pytest.raises(SystemExit):

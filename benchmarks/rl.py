@@ -39,7 +39,7 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 if __name__ == "__main__":
@@ -60,7 +60,9 @@ KINDS = ("colocated", "disaggregated", "async")
 SYNC_CONFIG = {"d_model": 1024, "n_layers": 4, "n_heads": 16, "head_dim": 64, "ffn_dim": 4096, "seq_len": 128,
                "vocab_size": 12}
 QUICK_SYNC_CONFIG = {**SYNC_CONFIG, "d_model": 512, "ffn_dim": 2048, "n_heads": 8}
-TRAINER_CORES = 0.9  # balanced: the trainer's host's cap; the sampler's is this times its natural busy ratio
+TRAINER_CORES = 0.9  # balanced: the trainer's host's cap; the sampler's is this times its natural busy ratio, at first
+CALIBRATIONS = 4  # balanced: rounds at most that adjust the sampler's cap until a rollout takes as long as an update
+TOLERANCE = 0.1  # balanced: how far from 1 a rollout's time over an update's may stay
 
 
 def topology(platform: str) -> pw.Topology:
@@ -143,8 +145,9 @@ def placements(args: argparse.Namespace) -> dict:
 
 def balanced(loops: dict, args: argparse.Namespace, out: dict) -> dict:
     """Disaggregated and async again with the sampler's host capped so that a rollout takes as long as an update
-    (the trainer's host capped at ``TRAINER_CORES``, the sampler's at that times the measured ratio of their busy
-    times): two devices of fixed speeds whose work per step is the same, as when generation dominates less."""
+    (the trainer's host capped at ``TRAINER_CORES``, the sampler's first at that times the measured ratio of their
+    busy times, then adjusted by ``calibrate``): two devices of fixed speeds whose work per step is the same, as
+    when generation dominates less."""
     from benchmarks import cpu_caps
 
     natural = out["natural"]["disaggregated"]
@@ -166,13 +169,39 @@ def balanced(loops: dict, args: argparse.Namespace, out: dict) -> dict:
     try:
         hosts = cpu_caps.hosts_by_island([0, 1], busy)
         caps.cap(hosts[0], TRAINER_CORES)
-        caps.cap(hosts[1], max(0.05, TRAINER_CORES * share))
-        rows["caps"] = {"trainer_cores": TRAINER_CORES, "sampler_cores": max(0.05, TRAINER_CORES * share),
-                        "natural_sample_over_train": share, "how": why}
+        sampler_cores, tried = calibrate(lambda cores: caps.cap(hosts[1], cores), loops["disaggregated"],
+                                         max(0.05, TRAINER_CORES * share), args.steps)
+        rows["caps"] = {"trainer_cores": TRAINER_CORES, "sampler_cores": sampler_cores,
+                        "natural_sample_over_train": share, "calibration": tried, "how": why}
+        print(f"  balanced: sampler capped at {sampler_cores:.2f} cores after "
+              + ", ".join(f"{c:.2f} cores -> sample/train {r:.2f}" for c, r in tried), flush=True)
         alternate(loops, ("disaggregated", "async"), args.rounds, args.steps, rows, "balanced")
     finally:
         caps.release()
     return rows
+
+
+def calibrate(cap: Callable[[float], None], loop: pw.rl.Loop, cores: float,
+              steps: int) -> tuple[float, list[tuple[float, float]]]:
+    """The sampler's cap at which a rollout takes as long as an update, from ``cores`` on: a round of ``steps``
+    disaggregated steps per try, the cap scaled by the rollout's time over the update's (a capped host's
+    computation takes time in inverse proportion to its cores) until that ratio is within ``TOLERANCE`` of 1, at
+    most ``CALIBRATIONS`` tries. The cap is computed, not assumed: a host uses less than its core when it waits, so
+    the natural busy ratio alone leaves a rollout shorter than an update. Returns the cap set and every (cores,
+    sample / train) tried."""
+    folder = tempfile.mkdtemp(prefix="rl-calibrate-")
+    tried: list[tuple[float, float]] = []
+    for _ in range(CALIBRATIONS):
+        cap(cores)
+        row = new_rows(("calibrate",))["calibrate"]
+        measure_round(loop, "calibrate", steps, folder, row)
+        share = row["sampler_busy"][0] / row["trainer_busy"][0]
+        tried.append((cores, share))
+        if abs(share - 1) <= TOLERANCE:
+            break
+        cores = min(TRAINER_CORES, max(0.05, cores * share))
+    cap(cores)
+    return cores, tried
 
 
 def resident(loop: pw.rl.Loop, opts: TrainOptions, state: tuple) -> dict:

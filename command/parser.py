@@ -95,7 +95,8 @@ def parser() -> argparse.ArgumentParser:
 
     dn = sub.add_parser("down", parents=[admin], help="stop the runtime and its jobs; stop the Ray head if `up` "
                         "started it (also what an interrupted `up` left)")
-    dn.add_argument("--timeout", type=float, default=30.0)
+    dn.add_argument("--timeout", type=float, default=30.0,
+                    help="seconds the runtime may take to stop, besides a minute to reach it (default 30)")
     dn.set_defaults(run=cmd_down)
 
     lg = sub.add_parser("login", help="save a runtime's address, your tenant and its credential for this machine's "
@@ -152,7 +153,8 @@ def parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", parents=[common, admin, tenant], help="islands, hosts, slices, queues, shares: "
                         "the whole cluster with the admin credential, else your tenant's view")
     st.add_argument("--json", action="store_true", help="print the whole ClusterStatus as JSON")
-    st.add_argument("--timeout", type=float, default=30.0)
+    st.add_argument("--timeout", type=float, default=30.0,
+                    help="seconds to wait for the runtime's answers (default 30)")
     st.set_defaults(run=cmd_status)
 
     jb = sub.add_parser("jobs", parents=[common, admin, tenant], help="list jobs: id, tenant, status, start, end")

@@ -102,7 +102,7 @@ class IslandHealth:
         return failures
 
     def _ping(self, island: Island) -> str | None:
-        """Why ``island`` failed, or None while its hosts answer."""
+        """Why ``island`` failed, or None while its hosts answer. Keeps the census their answers carry (``_count``)."""
         refs = [h.health.remote(self._fleet.sign(island.index, k, "health")) for k, h in enumerate(island.hosts)]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=PING_TIMEOUT)
         reason, counts = None, []

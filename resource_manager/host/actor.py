@@ -79,7 +79,7 @@ class HostActor:
         that one call a check keeps both the island's health and what a restart would lose."""
         self._check(mac, "health")
         dead = self._host.dead
-        return {"ok": dead is None, "reason": dead or "", "census": self._host.parts.views.census()}
+        return {"ok": dead is None, "reason": dead or "", "census": self._host.parts.views.checked()}
 
     def stats(self, mac: bytes) -> dict:
         """The host's counters (no tenant named), for the admin's status."""

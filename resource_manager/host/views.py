@@ -26,6 +26,7 @@ class HostViews:
         self.started = time.time()
         self._lock = threading.Lock()
         self._tracers: dict[int, int] = {}
+        self.health_checks = 0  # answered: a client can wait for the resource manager to have counted what it holds
 
     # -- what a client may ask of its own ------------------------------------------------------------------
     def stalled(self, tenant: str) -> dict:
@@ -100,7 +101,7 @@ class HostViews:
                "executables": len(p.exes), "evictions": p.exes.evictions, "next_seq": p.inbox.next_seq,
                "waiting": p.inbox.held(), "uptime_s": time.time() - self.started,
                "busy_fraction": p.metrics.busy_fraction if p.metrics is not None else 0.0,
-               "dead": p.executor.dead or ""}
+               "dead": p.executor.dead or "", "health_checks": self.health_checks}
         out.update(p.executor.stats())
         out.update(p.pool.stats())
         out.update(p.peers.stats())
@@ -115,3 +116,9 @@ class HostViews:
     def census(self) -> dict:
         """Buffers and bytes per tenant: for the resource manager, to say what a restart lost."""
         return self.parts.table.by_tenant()
+
+    def checked(self) -> dict:
+        """The census a health check carries; counts the check (``health_checks`` in ``stats``)."""
+        with self._lock:
+            self.health_checks += 1
+        return self.census()

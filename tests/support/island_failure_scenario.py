@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +24,20 @@ def attempt(arr: pw.Array) -> tuple[str, float]:
         return "no error", time.monotonic() - start
     except pw.IslandFailedError as exc:
         return f"IslandFailedError: {exc}", time.monotonic() - start
+
+
+def counted(session: Any, hosts: int, timeout: float = 60.0) -> None:
+    """Wait until the resource manager has kept a census of island 1 taken after this point: three more health
+    checks answered by each of its hosts (the second began after now; the manager stores one check's answers
+    before it sends the next)."""
+    def checks() -> int:
+        return min(session.host_stats(1, k)["health_checks"] for k in range(hosts))
+
+    want, deadline = checks() + 3, time.monotonic() + timeout
+    while checks() < want:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"island 1's hosts answered no 3 health checks in {timeout:.0f} s")
+        time.sleep(0.1)
 
 
 def main() -> None:
@@ -42,7 +57,7 @@ def main() -> None:
 
     kept = pw.put(np.arange(4, dtype=np.float32), s1)
     kept.block_until_ready()
-    time.sleep(2.0)  # the resource manager counts what each tenant holds every second
+    counted(session, hosts)
     victim_pid = session.host_stats(1, hosts - 1)["pid"]
     m = pw.put(np.eye(1024, dtype=np.float32), s1)
     y, z = cross(m)

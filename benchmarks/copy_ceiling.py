@@ -11,7 +11,15 @@ devices of another process started as island hosts are (huge-page malloc):
 - ``read x1`` / ``read x2``: this process copies the other's arrays with ``process_vm_readv`` (the runtime's
   same-node path), on one and on two threads;
 - ``write x1`` / ``write x2``: the other process copies its arrays into a shared mapping of this process's memory
-  (a ``memfd`` mapped once in both), on one and on two threads.
+  (a ``memfd`` mapped once in both), on one and on two threads;
+- ``reshard read x1`` / ``reshard read x2``: the copy ``benchmarks.weight_sync`` times, alone: PaLM ``medium``'s
+  parameters (238 MB), held by the other process in the trainer's (2, 2) layout, read into the sampler's (1, 4)
+  layout with the host's own copy plans (``copy_plan.make``) by ``direct.read_all`` (two threads) and by one
+  thread. Their runs are 1-4 KiB long (the rows of the shards the two layouts share), where the contiguous
+  copies above move 4 MiB at a time.
+
+The last line is the most a one-node weight sync of PaLM ``medium`` could reach against memcpy with nothing but
+its copy: memcpy's time over ``reshard read x2``'s.
 
     python -m benchmarks.copy_ceiling [--mib 227] [--reps 7]
 """
@@ -33,6 +41,29 @@ from benchmarks.common import Table, median, timed
 
 CHUNK = 4 << 20  # bytes per copy call, as the runtime's read path cuts them
 DEVICES = 4
+TRAINER_MESH, SAMPLER_MESH, AXES = (2, 2), (1, 4), ("data", "model")  # as benchmarks.weight_sync
+
+
+def reshard_leaves() -> list[tuple[tuple[int, ...], list, list]]:
+    """PaLM ``medium``'s parameters as (shape, the trainer's distinct regions, the sampler's region per device),
+    float32, in the layouts ``benchmarks.weight_sync`` moves them between."""
+    import jax
+
+    from benchmarks.weight_sync import MEDIUM
+    from examples.palm import model
+    from examples.palm.config import PalmConfig
+    from pathways.sharding import shard_index
+
+    shapes = jax.eval_shape(lambda: model.init_params(PalmConfig(**MEDIUM), jax.random.key(0)))
+    is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
+    leaves = []
+    for leaf, have, want in zip(jax.tree_util.tree_leaves(shapes),
+                                jax.tree_util.tree_leaves(model.param_specs(shapes), is_leaf=is_spec),
+                                jax.tree_util.tree_leaves(model.param_specs(shapes, data_axis=None), is_leaf=is_spec)):
+        shape = tuple(leaf.shape)
+        pieces = list(dict.fromkeys(shard_index(shape, TRAINER_MESH, AXES, have, k) for k in range(DEVICES)))
+        leaves.append((shape, pieces, [shard_index(shape, SAMPLER_MESH, AXES, want, k) for k in range(DEVICES)]))
+    return leaves
 
 
 def _halves(nbytes: int, threads: int) -> list[tuple[int, int]]:
@@ -48,9 +79,12 @@ def holder(nbytes: int, fd_in: int, fd_out: int) -> None:
 
     per = nbytes // DEVICES // 4
     arrays = [jax.device_put(jnp.arange(per, dtype=jnp.float32) + k, d) for k, d in enumerate(jax.devices()[:DEVICES])]
-    for a in arrays:
+    pieces = [jax.device_put(jnp.full(tuple(b - a for a, b in region), k, jnp.float32), jax.devices()[k % DEVICES])
+              for k, (_, regions, _) in enumerate(reshard_leaves()) for region in regions]
+    for a in arrays + pieces:
         a.block_until_ready()
-    os.write(fd_out, (" ".join(map(str, [os.getpid()] + [a.unsafe_buffer_pointer() for a in arrays])) + "\n").encode())
+    addrs = [a.unsafe_buffer_pointer() for a in arrays + pieces]
+    os.write(fd_out, (" ".join(map(str, [os.getpid(), len(arrays)] + addrs)) + "\n").encode())
     requests = os.fdopen(fd_in)
     path = requests.readline().strip()
     shared = mmap.mmap(os.open(path, os.O_RDWR), nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
@@ -81,8 +115,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         holder(nbytes, *args.holder)
         return 0
     from pathways.topology import Topology
+    from resource_manager.host import copy_plan
     from resource_manager.host.buffer_pool import aligned_empty
     from resource_manager.host.transport import direct
+    from resource_manager.host.transport.direct import Lent
     from resource_manager.island import host_runtime_env
 
     if not direct.readable():
@@ -104,7 +140,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return line
 
     try:
-        pid, *addrs = map(int, answer().split())
+        pid, count, *numbers = map(int, answer().split())
+        addrs, piece_addrs = numbers[:count], iter(numbers[count:])
         per = nbytes // DEVICES
         dst = aligned_empty((nbytes,), np.uint8)
         dst[:] = 0
@@ -112,6 +149,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         calls = [(pid, direct._iovecs(np.array([dst.ctypes.data + k * per + lo]), np.array([min(CHUNK, per - lo)])),
                   direct._iovecs(np.array([addr + lo]), np.array([min(CHUNK, per - lo)])), min(CHUNK, per - lo))
                  for k, addr in enumerate(addrs) for lo in range(0, per, CHUNK)]
+        reshard, landed_leaves = [], []
+        for k, (_, regions, wanted) in enumerate(reshard_leaves()):
+            plan = copy_plan.make(tuple(wanted), tuple(regions), 4)
+            buffers = [aligned_empty([b - a for a, b in r], np.float32) for r in plan.regions]
+            for buffer in buffers:
+                buffer[...] = -1  # touched: the sync's landing buffers are reused, never fresh pages
+            reshard += plan.reads([Lent(pid, next(piece_addrs), r, (0, 0), 0, "") for r in regions], buffers)
+            landed_leaves.append((k, buffers))
+        reshard_bytes = sum(call[3] for call in reshard)
         fd = os.memfd_create("copy-ceiling")
         os.ftruncate(fd, nbytes)
         shared = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
@@ -127,6 +173,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         def read(threads: int) -> Callable[[], None]:
             return lambda: list(pools[threads].map(lambda call: direct._read(*call), calls))
 
+        def reshard_read(threads: int) -> Callable[[], None]:
+            return (lambda: direct.read_all(reshard)) if threads == 2 else (lambda: [direct._read(*c) for c in reshard])
+
         def write(threads: int) -> float:
             os.write(from_us, f"{threads}\n".encode())
             return float(answer())
@@ -134,7 +183,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         cases: dict[str, Callable[[], float]] = {
             "memcpy": lambda: timed(memcpy(1)), "memcpy x2": lambda: timed(memcpy(2)),
             "read x1": lambda: timed(read(1)), "read x2": lambda: timed(read(2)),
-            "write x1": lambda: write(1), "write x2": lambda: write(2)}
+            "write x1": lambda: write(1), "write x2": lambda: write(2),
+            "reshard read x1": lambda: timed(reshard_read(1)), "reshard read x2": lambda: timed(reshard_read(2))}
         for case in cases.values():  # warm: pages touched, threads started
             case()
         times: dict[str, list[float]] = {name: [] for name in cases}
@@ -145,14 +195,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not np.array_equal(landed[:4], np.arange(4, dtype=np.float32)) or \
                 not np.array_equal(dst[:16].view(np.float32), np.arange(4, dtype=np.float32)):
             raise AssertionError("a copy did not land the other process's bytes")
+        if any(not np.all(buffer == k) for k, buffers in landed_leaves for buffer in buffers):
+            raise AssertionError("the reshard did not fill every landing buffer with the other process's bytes")
     finally:
         proc.kill()
         proc.wait()
     base = median(times["memcpy"])
     table = Table(["copy", "median", "GB/s", "time / memcpy", "runs"])
     for name, values in times.items():
-        m = median(values)
-        table.add(name, f"{m * 1e3:.2f} ms", f"{nbytes / m / 1e9:.2f}", f"{m / base:.2f}x",
+        m, moved = median(values), reshard_bytes if name.startswith("reshard") else nbytes
+        table.add(name, f"{m * 1e3:.2f} ms", f"{moved / m / 1e9:.2f}", f"{m / (base * moved / nbytes):.2f}x",
                   " ".join(f"{v * 1e3:.1f}" for v in values))
     print(f"{args.mib} MiB between two processes on one node ({os.cpu_count()} cores), medians of {args.reps}, "
           f"alternating; load average {os.getloadavg()[0]:.1f}")
@@ -160,6 +212,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     best = min(median(times[n]) for n in ("read x1", "read x2", "write x1", "write x2"))
     print(f"copy ceiling: fastest copy between processes {best * 1e3:.2f} ms against memcpy {base * 1e3:.2f} ms: "
           f"a same-node sync of these bytes can reach at most {base / best:.2f}x memcpy")
+    resharded = median(times["reshard read x2"])
+    print(f"reshard ceiling: PaLM medium's (2, 2) -> (1, 4) copy alone {resharded * 1e3:.2f} ms for "
+          f"{reshard_bytes / 2**20:.0f} MiB against memcpy's {base * reshard_bytes / nbytes * 1e3:.2f} ms for as many "
+          f"bytes: its weight sync can reach at most {base * reshard_bytes / nbytes / resharded:.2f}x memcpy")
     return 0
 
 

@@ -14,12 +14,12 @@ devices of another process started as island hosts are (huge-page malloc):
   (a ``memfd`` mapped once in both), on one and on two threads;
 - ``reshard read x1`` / ``reshard read x2``: the copy ``benchmarks.weight_sync`` times, alone: PaLM ``medium``'s
   parameters (238 MB), held by the other process in the trainer's (2, 2) layout, read into the sampler's (1, 4)
-  layout with the host's own copy plans (``copy_plan.make``) by ``direct.read_all`` (two threads) and by one
-  thread. Their runs are 1-4 KiB long (the rows of the shards the two layouts share), where the contiguous
-  copies above move 4 MiB at a time.
+  layout with the host's own copy plans (``copy_plan.make``), on one thread and as the host reads them
+  (``direct.read_all``: its threads, two on 2 cores, take the calls longest first). Their runs are 1-4 KiB
+  long (the rows of the shards the two layouts share), where the contiguous copies above move 4 MiB at a time.
 
 The last line is the most a one-node weight sync of PaLM ``medium`` could reach against memcpy with nothing but
-its copy: memcpy's time over ``reshard read x2``'s.
+its copy: memcpy's time over that of the host's read.
 
     python -m benchmarks.copy_ceiling [--mib 227] [--reps 7]
 """
@@ -41,7 +41,6 @@ from benchmarks.common import Table, median, timed
 
 CHUNK = 4 << 20  # bytes per copy call, as the runtime's read path cuts them
 DEVICES = 4
-TRAINER_MESH, SAMPLER_MESH, AXES = (2, 2), (1, 4), ("data", "model")  # as benchmarks.weight_sync
 
 
 def reshard_leaves() -> list[tuple[tuple[int, ...], list, list]]:
@@ -49,20 +48,21 @@ def reshard_leaves() -> list[tuple[tuple[int, ...], list, list]]:
     float32, in the layouts ``benchmarks.weight_sync`` moves them between."""
     import jax
 
-    from benchmarks.weight_sync import MEDIUM
+    from benchmarks.weight_sync import MEDIUM, SAMPLER_MESH, TRAINER_MESH
     from examples.palm import model
     from examples.palm.config import PalmConfig
     from pathways.sharding import shard_index
 
     shapes = jax.eval_shape(lambda: model.init_params(PalmConfig(**MEDIUM), jax.random.key(0)))
     is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
+    axes = ("data", "model")
     leaves = []
     for leaf, have, want in zip(jax.tree_util.tree_leaves(shapes),
                                 jax.tree_util.tree_leaves(model.param_specs(shapes), is_leaf=is_spec),
                                 jax.tree_util.tree_leaves(model.param_specs(shapes, data_axis=None), is_leaf=is_spec)):
         shape = tuple(leaf.shape)
-        pieces = list(dict.fromkeys(shard_index(shape, TRAINER_MESH, AXES, have, k) for k in range(DEVICES)))
-        leaves.append((shape, pieces, [shard_index(shape, SAMPLER_MESH, AXES, want, k) for k in range(DEVICES)]))
+        pieces = list(dict.fromkeys(shard_index(shape, TRAINER_MESH, axes, have, k) for k in range(DEVICES)))
+        leaves.append((shape, pieces, [shard_index(shape, SAMPLER_MESH, axes, want, k) for k in range(DEVICES)]))
     return leaves
 
 
@@ -173,18 +173,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         def read(threads: int) -> Callable[[], None]:
             return lambda: list(pools[threads].map(lambda call: direct._read(*call), calls))
 
-        def reshard_read(threads: int) -> Callable[[], None]:
-            return (lambda: direct.read_all(reshard)) if threads == 2 else (lambda: [direct._read(*c) for c in reshard])
-
         def write(threads: int) -> float:
             os.write(from_us, f"{threads}\n".encode())
             return float(answer())
 
+        host_read = f"reshard read x{direct.THREADS}"
         cases: dict[str, Callable[[], float]] = {
             "memcpy": lambda: timed(memcpy(1)), "memcpy x2": lambda: timed(memcpy(2)),
             "read x1": lambda: timed(read(1)), "read x2": lambda: timed(read(2)),
             "write x1": lambda: write(1), "write x2": lambda: write(2),
-            "reshard read x1": lambda: timed(reshard_read(1)), "reshard read x2": lambda: timed(reshard_read(2))}
+            "reshard read x1": lambda: timed(lambda: [direct._read(*call) for call in reshard]),
+            host_read: lambda: timed(lambda: direct.read_all(reshard))}
         for case in cases.values():  # warm: pages touched, threads started
             case()
         times: dict[str, list[float]] = {name: [] for name in cases}
@@ -212,7 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     best = min(median(times[n]) for n in ("read x1", "read x2", "write x1", "write x2"))
     print(f"copy ceiling: fastest copy between processes {best * 1e3:.2f} ms against memcpy {base * 1e3:.2f} ms: "
           f"a same-node sync of these bytes can reach at most {base / best:.2f}x memcpy")
-    resharded = median(times["reshard read x2"])
+    resharded = median(times[host_read])
     print(f"reshard ceiling: PaLM medium's (2, 2) -> (1, 4) copy alone {resharded * 1e3:.2f} ms for "
           f"{reshard_bytes / 2**20:.0f} MiB against memcpy's {base * reshard_bytes / nbytes * 1e3:.2f} ms for as many "
           f"bytes: its weight sync can reach at most {base * reshard_bytes / nbytes / resharded:.2f}x memcpy")

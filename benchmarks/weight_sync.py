@@ -3,9 +3,11 @@
 
 Setup. The trainer holds PaLM's parameters (``examples/palm/model.py``'s ``init_params``) on a (2, 2) slice
 ``("data", "model")`` in the trainer's layout (``param_specs``: kernels sharded over both axes); the sampler
-is a (2, 2) slice of another island in the sampler's layout (``param_specs(data_axis=None)``: replicated over
+is a (1, 4) slice of another island in the sampler's layout (``param_specs(data_axis=None)``: replicated over
 data, sharded over model), so every kernel is resharded. Configs: ``small`` (PaLM-small, the CPU demo: 34
-leaves, 8.75 MB) and ``medium`` (d_model 1024, 4 layers: 34 leaves, 237 MB).
+leaves, 8.75 MB), ``medium`` (d_model 1024, 4 layers: 34 leaves, 237 MB) and ``medium-stacked`` (the same
+parameters with the layers stacked, as a model that scans its layers holds them: 10 leaves, the same copies
+over the same runs in fewer transfers).
 
 Method. A repetition dispatches one sync and waits until every leaf is on the sampler (all waits sent at
 once): seconds from dispatch to the last leaf, nothing subtracted, so the fixed cost of a program on two
@@ -22,7 +24,8 @@ syncing every step) and takes the time per sync. Alternating with it, in the sam
 The RL benchmark measures the same baselines in its own run with ``measure_memcpy(nbytes)`` and
 ``measure_raw_tcp(src, dst, nbytes)`` (below), and times a sync with ``time_sync``.
 
-    python -m benchmarks.weight_sync [--configs small medium] [--reps N] [--stream N] [--no-nodes] [--out PATH]
+    python -m benchmarks.weight_sync [--configs small medium medium-stacked] [--reps N] [--stream N] [--no-nodes]
+        [--out PATH]
 """
 
 from __future__ import annotations
@@ -43,12 +46,14 @@ if __name__ == "__main__":
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import pathways as pw  # noqa: E402
 from benchmarks.common import Table, default_out, median, ratio, ratio_text, timed, write_json  # noqa: E402
 
 TIMEOUT_S = 120.0
 MEDIUM = {"d_model": 1024, "n_layers": 4, "n_heads": 16, "head_dim": 64, "ffn_dim": 4096, "seq_len": 128}
+CONFIG_NAMES = ("small", "medium", "medium-stacked")  # (palm_tree)
 TARGET_MEMCPY, TARGET_TCP = 0.8, 0.7
 TRAINER_MESH, SAMPLER_MESH = (2, 2), (1, 4)  # FSDP x model parallel for training; model parallel over 4 to sample
 
@@ -111,15 +116,31 @@ def time_sync(sync: Callable[[Any], Any], params: Any, reps: int = 5, stream: in
 
 
 def palm_tree(config_name: str, trainer: pw.VirtualSlice) -> tuple[Any, Any, int]:
-    """PaLM's parameters on ``trainer`` in the trainer's layout, the sampler's specs, and the tree's bytes."""
+    """PaLM's parameters on ``trainer`` in the trainer's layout, the sampler's specs, and the tree's bytes.
+
+    ``medium-stacked`` is ``medium`` with each layer kernel stacked over the layers on a new leading axis, as a
+    model that scans its layers holds them: the same bytes, each element in the same place of its layer's shards,
+    so the same copies over the same runs, in 8 transfers instead of 23."""
     from examples.palm import model
     from examples.palm.config import CONFIGS, PalmConfig
 
     config = CONFIGS["small"] if config_name == "small" else PalmConfig(**MEDIUM)
     host = jax.tree_util.tree_map(np.asarray, model.init_params(config, jax.random.key(0)))
-    params = pw.put(host, trainer, model.param_specs(host))
+    specs, sampler_specs = model.param_specs(host), model.param_specs(host, data_axis=None)
+    if config_name.endswith("-stacked"):
+        host, specs, sampler_specs = (_stack_layers(tree) for tree in (host, specs, sampler_specs))
+    params = pw.put(host, trainer, specs)
     nbytes = sum(v.nbytes for v in jax.tree_util.tree_leaves(host))
-    return params, model.param_specs(host, data_axis=None), nbytes
+    return params, sampler_specs, nbytes
+
+
+def _stack_layers(tree: dict) -> dict:
+    """PaLM's params (or their specs) with the per-layer leaves stacked on a new leading axis (unsharded)."""
+    layers = tree["layers"]
+    first = layers[0]
+    stacked = {k: P(None, *first[k]) if isinstance(first[k], P) else np.stack([layer[k] for layer in layers])
+               for k in first}
+    return {**tree, "layers": stacked}
 
 
 def check_bits(synced: Any, params: Any) -> None:
@@ -200,7 +221,7 @@ def two_nodes(configs: Sequence[str], reps: int, stream: int) -> list[dict]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--configs", nargs="+", default=["small", "medium"], choices=["small", "medium"])
+    parser.add_argument("--configs", nargs="+", default=["small", "medium"], choices=CONFIG_NAMES)
     parser.add_argument("--reps", type=int, default=7, help="timed repetitions (median reported)")
     parser.add_argument("--stream", type=int, default=4, help="syncs back to back in a streamed repetition")
     parser.add_argument("--no-nodes", action="store_true", help="skip the two-node phase")

@@ -1,5 +1,7 @@
-"""Weight sync for reinforcement learning: a PaLM parameter tree moved island to island, resharded, by a planned
-``pw.WeightSync``, next to a memcpy of the same bytes (one node) and raw TCP between the two hosts (two Ray nodes).
+"""Weight sync for RL: a PaLM parameter tree resharded island to island by ``pw.WeightSync``, against memcpy and TCP.
+
+The planned sync runs next to a memcpy of the same bytes (one node) and raw TCP between the two hosts (two Ray
+nodes).
 
 Setup. The trainer holds PaLM's parameters (``examples/palm/model.py``'s ``init_params``) on a (2, 2) slice
 ``("data", "model")`` in the trainer's layout (``param_specs``: kernels sharded over both axes); the sampler

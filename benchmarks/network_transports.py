@@ -13,7 +13,7 @@ Methods:
   * ``jax.experimental.transfer``: JAX's transfer server between independent processes
     (``start_transfer_server(client, addr, [addr] * n)``; the sender ``await_pull``s the array, the
     receiver ``pull``s it onto its devices), with 1 and 4 transport addresses (parallel connections).
-  * Ray's object store across two Ray nodes (``--ray``): a two-node ``ray.cluster_utils.Cluster``; actor A
+  * Ray's object store across two Ray nodes (``--ray``): a two-node cluster (``benchmarks.nodes``); actor A
     returns ``np.asarray`` of its array, actor B on the other node ``jax.device_put``s it (minus the same
     two calls on a 1 KiB array).
 
@@ -222,21 +222,17 @@ class RayPath:
     def __init__(self) -> None:
         os.environ["RAY_TMPDIR"] = os.environ.get("RAY_TMPDIR") or tempfile.mkdtemp(prefix="pwnet-", dir="/tmp")
         import ray
-        from ray.cluster_utils import Cluster
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+        from benchmarks.nodes import TwoNodes
         from benchmarks.transfer import Endpoint
 
         self.ray = ray
-        self.cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False,
-                                                                     "object_store_memory": 3 * 2**29})
-        worker = self.cluster.add_node(num_cpus=1, object_store_memory=3 * 2**29)
-        self.cluster.wait_for_nodes()
+        self.cluster = TwoNodes(store_bytes=3 * 2**29)
         ray.init(address=self.cluster.address)
         env = {"env_vars": {"JAX_PLATFORMS": "cpu"}}
         self.actors = [ray.remote(Endpoint).options(num_cpus=0, runtime_env=env, scheduling_strategy=(
-            NodeAffinitySchedulingStrategy(n, soft=False))).remote() for n in (self.cluster.head_node.node_id,
-                                                                              worker.node_id)]
+            NodeAffinitySchedulingStrategy(n, soft=False))).remote() for n in (self.cluster.head, self.cluster.worker)]
         self.held = 0
 
     def move(self, nbytes: int) -> float:

@@ -1,6 +1,6 @@
 """PaLM's two-pod step with its pods on two Ray nodes against both pods on one node: tokens/s, same config.
 
-Setup. A Ray cluster of two nodes on this machine (``ray.cluster_utils.Cluster``) and one runtime of four
+Setup. A Ray cluster of two nodes on this machine (``benchmarks.nodes``) and one runtime of four
 single-host islands of 4 CPU devices, pinned by node labels: islands 0, 1 and 2 on the head node, island 3 on
 the worker. ``one node``: the pods are islands 0 and 1 (gradients cross between hosts of one node: lent
 shards, ``resource_manager/direct.py``). ``two nodes``: the pods are islands 2 and 3 (gradients cross the
@@ -58,14 +58,10 @@ def main(argv: list[str] | None = None) -> dict:
     config = CONFIGS[args.config]
     load_at_start = os.getloadavg()
 
-    from ray.cluster_utils import Cluster
+    from benchmarks.nodes import TwoNodes
 
     start = time.perf_counter()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False,
-                                                            "labels": {LABEL: "head"},
-                                                            "_system_config": RAY_SYSTEM_CONFIG})
-    worker = cluster.add_node(num_cpus=1, labels={LABEL: "worker"})
-    cluster.wait_for_nodes()
+    cluster = TwoNodes(label_key=LABEL, system_config=RAY_SYSTEM_CONFIG)
     topology = pw.Topology(4, 1, 4, node_labels={0: {LABEL: "head"}, 1: {LABEL: "head"}, 2: {LABEL: "head"},
                                                  3: {LABEL: "worker"}})
     try:
@@ -80,8 +76,8 @@ def main(argv: list[str] | None = None) -> dict:
         pw.init(address=runtime["address"], tenant=runtime["tenant"], credential=runtime["credential"],
                 timeouts=pw.Timeouts(**timeouts))
         nodes = [h.node for isl in pw.status().islands for h in isl.hosts]
-        head = cluster.head_node.node_id
-        if nodes != [head, head, head, worker.node_id]:
+        head = cluster.head
+        if nodes != [head, head, head, cluster.worker]:
             raise RuntimeError(f"islands are on nodes {nodes}; expected three on the head and one on the worker")
         print(f"two-node cluster and runtime up in {time.perf_counter() - start:.1f}s", flush=True)
         optim_config = optim.OptimConfig()

@@ -1,7 +1,7 @@
 """Island-to-island bandwidth across two Ray nodes: the network path, the object store, and the bare link.
 
-Setup. A Ray cluster of two nodes on this machine (``ray.cluster_utils.Cluster``: each node its own raylet
-and object store of ``--store-gib``), and one runtime of three single-host islands of 4 CPU devices, pinned
+Setup. A Ray cluster of two nodes on this machine (``benchmarks.nodes``: each node its own raylet and object
+store of ``--store-gib``), and one runtime of three single-host islands of 4 CPU devices, pinned
 by node labels: islands 0 and 1 on the head node, island 2 on the worker. Island 0 -> island 2 crosses the
 nodes; island 0 -> island 1 (the same-node path: the receiver copies shards out of the sender) is measured
 for reference.
@@ -53,6 +53,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noq
 
 import pathways as pw  # noqa: E402
 from benchmarks.common import Table, default_out, median, ratio, ratio_text, write_json  # noqa: E402
+from benchmarks.nodes import TwoNodes  # noqa: E402
 from benchmarks.transfer import (  # noqa: E402
     CASES,
     DEVICES,
@@ -71,16 +72,9 @@ HEADLINE = ("256 MiB", "P(x)->P(x)")
 RUNTIME: dict = {}  # the runtime started last: its address and credentials
 
 
-def start_cluster(store_bytes: int):
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False,
-                                                            "object_store_memory": store_bytes,
-                                                            "labels": {LABEL: "head"},
-                                                            "_system_config": RAY_SYSTEM_CONFIG})
-    worker = cluster.add_node(num_cpus=1, object_store_memory=store_bytes, labels={LABEL: "worker"})
-    cluster.wait_for_nodes()
-    return cluster, worker
+def start_cluster(store_bytes: int) -> TwoNodes:
+    """The head node (islands 0 and 1) and the worker (island 2), each with an object store of ``store_bytes``."""
+    return TwoNodes(store_bytes, LABEL, RAY_SYSTEM_CONFIG)
 
 
 def start_runtime(address: str, network: bool, streams: int | None = None) -> None:
@@ -131,10 +125,9 @@ def raw_probe(nbytes: int) -> float:
     return pw.admin(RUNTIME["admin_credential"]).probe_network((0, 0), (CROSS, 0), nbytes)
 
 
-def check_nodes(cluster, worker) -> None:
+def check_nodes(cluster: TwoNodes) -> None:
     nodes = [h.node for isl in pw.status().islands for h in isl.hosts]
-    head, other = cluster.head_node.node_id, worker.node_id
-    if nodes != [head, head, other]:
+    if nodes != [cluster.head, cluster.head, cluster.worker]:
         raise RuntimeError(f"islands are on nodes {nodes}; expected [head, head, worker]")
 
 
@@ -154,7 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     plan = [(f"{s:g} MiB", int(s * MIB), case) for s in sizes for case in CASES]
 
     start = time.perf_counter()
-    cluster, worker = start_cluster(int(args.store_gib * 2**30))
+    cluster = start_cluster(int(args.store_gib * 2**30))
     network: dict[tuple, Row] = {}
     same: dict[tuple, Row] = {}
     store: dict[tuple, Row] = {}
@@ -164,13 +157,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     actors = []
     try:
         start_runtime(cluster.address, network=True)
-        check_nodes(cluster, worker)
+        check_nodes(cluster)
         print(f"two-node cluster and runtime up in {time.perf_counter() - start:.1f}s", flush=True)
         slices = [pw.slice((DEVICES,), ("x",), island=i) for i in range(3)]
         env = {"env_vars": {"JAX_PLATFORMS": "cpu"}}
         actors = [ray.remote(Endpoint).options(num_cpus=0, runtime_env=env, scheduling_strategy=(
-            NodeAffinitySchedulingStrategy(n, soft=False))).remote() for n in (cluster.head_node.node_id,
-                                                                              worker.node_id)]
+            NodeAffinitySchedulingStrategy(n, soft=False))).remote() for n in (cluster.head, cluster.worker)]
         before = host_stats(CROSS)["net_bytes_in"]
         for label, nbytes, case in plan:
             t = time.perf_counter()
@@ -195,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         stop_runtime()
 
         start_runtime(cluster.address, network=False)
-        check_nodes(cluster, worker)
+        check_nodes(cluster)
         slices = [pw.slice((DEVICES,), ("x",), island=i) for i in range(3)]
         for label, nbytes, case in plan:
             t = time.perf_counter()

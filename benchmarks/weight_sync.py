@@ -191,11 +191,11 @@ def two_nodes(configs: Sequence[str], reps: int, stream: int) -> list[dict]:
 
     from benchmarks import transfer_nodes as tn
 
-    cluster, worker = tn.start_cluster(int(1.5 * 2**30))
+    cluster = tn.start_cluster(int(1.5 * 2**30))
     rows = []
     try:
         tn.start_runtime(cluster.address, network=True)
-        tn.check_nodes(cluster, worker)
+        tn.check_nodes(cluster)
         trainer = pw.slice(TRAINER_MESH, ("data", "model"), island=0)
         sampler = pw.slice(SAMPLER_MESH, ("data", "model"), island=tn.CROSS)
         credential = tn.RUNTIME["admin_credential"]

@@ -1,6 +1,6 @@
 """What one node allows a same-node weight sync: the copies between two processes it could use, against memcpy.
 
-The copies a sync could be built on, next to the memcpy that ``benchmarks.weight_sync`` measures it against.
+The memcpy is the one ``benchmarks.weight_sync`` measures a sync against.
 
 A weight sync between islands on one node must copy every byte out of the trainer's host into the sampler's (the
 layouts differ, so no byte can be shared as is). Whatever the runtime does around it, it cannot beat the fastest

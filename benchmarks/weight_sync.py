@@ -55,7 +55,7 @@ from benchmarks.common import Table, default_out, median, ratio, ratio_text, tim
 
 TIMEOUT_S = 120.0
 MEDIUM = {"d_model": 1024, "n_layers": 4, "n_heads": 16, "head_dim": 64, "ffn_dim": 4096, "seq_len": 128}
-CONFIG_NAMES = ("small", "medium", "medium-stacked")  # (palm_tree)
+CONFIG_NAMES = ("small", "medium", "medium-stacked")  # the trees palm_tree builds
 TARGET_MEMCPY, TARGET_TCP = 0.8, 0.7
 TRAINER_MESH, SAMPLER_MESH = (2, 2), (1, 4)  # FSDP x model parallel for training; model parallel over 4 to sample
 
